@@ -1,0 +1,505 @@
+"""The engine: gate every patch on the installed transformers, apply, report, revert.
+
+Outcomes are statuses, never exceptions out of ``import transformers`` (unless strict mode asks
+for exceptions). Everything that changes state holds one re-entrant lock, so concurrent first
+imports from several threads apply each patch exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from types import ModuleType
+from typing import Any, Iterable, Iterator
+
+from . import config
+from .importhook import PostImportFinder, installed_finder
+from .patch import PATCH_MARKER, Patch, Target, fingerprint
+
+logger = logging.getLogger("overlay")
+
+TRANSFORMERS = "transformers"
+
+# Status values, in the words the table prints.
+APPLIED = "applied"
+FIXED_UPSTREAM = "fixed upstream"
+NOT_AFFECTED = "not affected"
+UNRECOGNISED = "unrecognised code"
+FAILED = "failed"
+PENDING = "pending"  # version in range; target module not imported yet
+DISABLED = "disabled"
+INACTIVE = "inactive"  # overlay not activated in this process (or reverted)
+
+BAD_STATES = frozenset({UNRECOGNISED, FAILED})
+
+
+class OverlayError(RuntimeError):
+    """Raised in strict mode, and for misuse of the API."""
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    id: str
+    title: str
+    state: str
+    reason: str
+    module: str
+    transformers_version: str | None
+    affected: str
+    fixed_in: str | None
+    variants: tuple[str, ...] = ()
+    """Release labels of the code each target matched (what the fingerprints recognised)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "state": self.state,
+            "reason": self.reason,
+            "module": self.module,
+            "transformers_version": self.transformers_version,
+            "affected": self.affected,
+            "fixed_in": self.fixed_in,
+            "variants": list(self.variants),
+        }
+
+
+@dataclass
+class _Swap:
+    owner: Any
+    name: str
+    original: Any  # the raw object found in owner.__dict__ (function, staticmethod, ...)
+    replacement: Any
+
+
+@dataclass
+class _Record:
+    patch: Patch
+    status: PatchStatus
+    swaps: list[_Swap] = field(default_factory=list)
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.records: dict[str, _Record] = {}
+        self.finder: PostImportFinder | None = None
+        self.active = False
+        self.strict = False
+        self.version: str | None = None
+        self.patches: tuple[Patch, ...] | None = None
+        self.startup_error: str | None = None
+        self.last_apply_seconds: dict[str, float] = {}
+        self.warned_late_modules: set[str] = set()
+        # The distribution whose version gates the patches. Always transformers, except in the
+        # engine's own tests, which gate toy patches on a throwaway package (see isolated()).
+        self.distribution = TRANSFORMERS
+
+
+_engine = _Engine()
+
+
+# -- the gate -------------------------------------------------------------------------------
+
+
+def installed_transformers_version() -> str | None:
+    """The installed transformers version, read from package metadata (never by importing it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(_engine.distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def gate(patch: Patch, installed: str | None) -> tuple[str, str]:
+    """Decide from the version alone: (state, reason). ``PENDING`` means "check the code next"."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    if installed is None:
+        return NOT_AFFECTED, f"{_engine.distribution} is not installed"
+    try:
+        version = Version(installed)
+    except InvalidVersion:
+        return UNRECOGNISED, (
+            f"transformers reports version {installed!r}, which is not a PEP 440 version; "
+            "reinstall transformers from a release or set ATTN_OVERLAY_DISABLE to skip this patch"
+        )
+    try:
+        affected = SpecifierSet(patch.affected)
+    except InvalidSpecifier as exc:  # a broken patch file, not the user's fault
+        return FAILED, f"patch declares an invalid version specifier {patch.affected!r}: {exc}"
+    # Dev builds (5.19.0.dev0) and local builds (5.18.0+neuron) are judged by their release
+    # number: they carry the same code as far as the fingerprints can tell, and the fingerprint
+    # check that follows refuses anything that is not the exact original.
+    if affected.contains(version, prereleases=True):
+        return PENDING, f"transformers {installed} is in {patch.affected}"
+    if patch.fixed_in is not None and Version(version.base_version) >= Version(patch.fixed_in):
+        return FIXED_UPSTREAM, f"transformers {installed} includes the upstream fix (since {patch.fixed_in})"
+    return NOT_AFFECTED, f"transformers {installed} is outside {patch.affected}"
+
+
+# -- resolving and swapping targets -----------------------------------------------------------
+
+
+def _resolve(module: ModuleType, target: Target) -> tuple[Any, str, Any]:
+    """(owner, attribute name, raw object in owner's namespace or None)."""
+    *path, name = target.qualname.split(".")
+    owner: Any = module
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None, name, None
+    namespace = vars(owner) if isinstance(owner, type) else owner.__dict__
+    return owner, name, namespace.get(name)
+
+
+def _function_of(raw: Any) -> Any:
+    return raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+
+
+def _rewrap_like(raw: Any, func: Any) -> Any:
+    if isinstance(raw, staticmethod):
+        return staticmethod(func)
+    if isinstance(raw, classmethod):
+        return classmethod(func)
+    return func
+
+
+def _apply_patch(record: _Record, module: ModuleType) -> None:
+    """Check every target, then swap all of them or none. Updates ``record.status``."""
+    patch = record.patch
+    planned: list[tuple[Target, Any, str, Any]] = []
+    variants: list[str] = []
+    for target in patch.targets:
+        owner, name, raw = _resolve(module, target)
+        if raw is None:
+            if target.optional:
+                continue
+            _set(record, UNRECOGNISED, f"{target.key} does not exist in this transformers release")
+            return
+        func = _function_of(raw)
+        marker = getattr(func, PATCH_MARKER, None)
+        if marker == patch.id:
+            # Already ours (re-entrant import, or a second engine copy): nothing to do.
+            if record.status.state != APPLIED:
+                _set(record, APPLIED, "already applied in this process")
+            return
+        if marker is not None:
+            _set(record, FAILED, f"{target.key} is already replaced by overlay patch {marker!r}")
+            return
+        try:
+            digest = fingerprint(func)
+        except (OSError, TypeError) as exc:
+            _set(record, UNRECOGNISED, f"cannot read the source of {target.key}: {exc}")
+            return
+        if digest in target.fixed:
+            _set(
+                record,
+                FIXED_UPSTREAM,
+                f"{target.key} is already the fixed code (as in {target.fixed[digest]})",
+                variants=(target.fixed[digest],),
+            )
+            return
+        if digest not in target.originals:
+            _set(
+                record,
+                UNRECOGNISED,
+                f"{target.key} is not the code this patch was written for (sha256 {digest[:12]}); "
+                "not patched. Run scripts/fingerprint_release.py on this release, or report it",
+            )
+            return
+        variants.append(target.originals[digest])
+        planned.append((target, owner, name, raw))
+
+    swaps: list[_Swap] = []
+    try:
+        for target, owner, name, raw in planned:
+            original = _function_of(raw)
+            new = target.replace(original)
+            if new is original or not callable(new):
+                raise OverlayError(f"replace() of {target.key} returned no new callable")
+            setattr(new, PATCH_MARKER, patch.id)
+            if getattr(new, "__wrapped__", None) is None:
+                new.__wrapped__ = original
+            swaps.append(_Swap(owner, name, raw, _rewrap_like(raw, new)))
+        for swap in swaps:
+            setattr(swap.owner, swap.name, swap.replacement)
+    except Exception as exc:  # a patch that raises leaves every target as it was
+        for swap in swaps:
+            if vars(swap.owner).get(swap.name) is swap.replacement:
+                setattr(swap.owner, swap.name, swap.original)
+        _set(record, FAILED, f"{type(exc).__name__}: {exc}")
+        return
+    record.swaps = swaps
+    _set(record, APPLIED, f"patched {', '.join(t.key for t, *_ in planned)}", variants=tuple(variants))
+
+
+def _set(record: _Record, state: str, reason: str, variants: tuple[str, ...] = ()) -> None:
+    record.status = replace(record.status, state=state, reason=reason, variants=variants)
+
+
+def _revert_record(record: _Record) -> None:
+    for swap in reversed(record.swaps):
+        current = vars(swap.owner).get(swap.name)
+        if current is swap.replacement:
+            setattr(swap.owner, swap.name, swap.original)
+        else:
+            logger.warning(
+                "attn-overlay: %s.%s was replaced by someone else after the overlay patched it; "
+                "left as it is",
+                getattr(swap.owner, "__qualname__", swap.owner),
+                swap.name,
+            )
+    record.swaps = []
+
+
+# -- registry ------------------------------------------------------------------------------
+
+
+def _load_patches() -> tuple[Patch, ...]:
+    if _engine.patches is None:
+        from .registry import load_patches
+
+        _engine.patches = load_patches()
+    return _engine.patches
+
+
+def _initial_record(patch: Patch, version: str | None, disabled: frozenset[str]) -> _Record:
+    if patch.id in disabled or "all" in disabled:
+        state, reason = DISABLED, f"disabled by {config.DISABLE_VAR}"
+    else:
+        state, reason = gate(patch, version)
+    status = PatchStatus(
+        id=patch.id,
+        title=patch.title,
+        state=state,
+        reason=reason,
+        module=patch.module,
+        transformers_version=version,
+        affected=patch.affected,
+        fixed_in=patch.fixed_in,
+    )
+    return _Record(patch=patch, status=status)
+
+
+# -- activation ----------------------------------------------------------------------------
+
+
+def _on_module_executed(module: ModuleType) -> None:
+    with _engine.lock:
+        if not _engine.active:
+            return
+        _apply_for_module(module)
+
+
+def _apply_for_module(module: ModuleType, already_imported: bool = False) -> None:
+    started = time.perf_counter()
+    applied: list[str] = []
+    for record in _engine.records.values():
+        if record.patch.module != module.__name__ or record.status.state != PENDING:
+            continue
+        _apply_patch(record, module)
+        if record.status.state == APPLIED:
+            applied.append(record.patch.id)
+        elif record.status.state in BAD_STATES:
+            message = f"attn-overlay: patch {record.patch.id} not applied: {record.status.reason}"
+            if _engine.strict:
+                raise OverlayError(message + " (strict mode)")
+            logger.warning(message)
+    _engine.last_apply_seconds[module.__name__] = time.perf_counter() - started
+    if applied:
+        if already_imported and module.__name__ not in _engine.warned_late_modules:
+            _engine.warned_late_modules.add(module.__name__)
+            logger.warning(
+                "attn-overlay: %s was imported before the overlay was activated; objects that "
+                "captured its functions before now still hold the unpatched ones",
+                module.__name__,
+            )
+        logger.info(
+            "attn-overlay: patched %s in %s (transformers %s)",
+            ", ".join(applied),
+            module.__name__,
+            _engine.version,
+        )
+
+
+def _activate(strict: bool | None, only: Iterable[str] | None, startup_finder: Any = None) -> None:
+    with _engine.lock:
+        _engine.strict = config.strict_from_env() if strict is None else strict
+        patches = _load_patches()
+        known = {p.id for p in patches}
+        wanted = set(only) if only is not None else known
+        unknown = wanted - known
+        if unknown:
+            raise OverlayError(
+                f"unknown patch id(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
+        if not _engine.active:
+            _engine.version = installed_transformers_version()
+        disabled = config.disabled_patch_ids()
+        for patch in patches:
+            record = _engine.records.get(patch.id)
+            if patch.id not in wanted:
+                if record is None:
+                    _engine.records[patch.id] = _initial_record(patch, _engine.version, frozenset({"all"}))
+                    _set(_engine.records[patch.id], INACTIVE, "not selected")
+                continue
+            if record is None or record.status.state in (INACTIVE, DISABLED):
+                _engine.records[patch.id] = _initial_record(patch, _engine.version, disabled)
+        _engine.active = True
+        finder = _ensure_finder(startup_finder)
+        for record in _engine.records.values():
+            if record.status.state == PENDING:
+                finder.watch(record.patch.module, _on_module_executed)
+        for name in sorted({r.patch.module for r in _engine.records.values() if r.status.state == PENDING}):
+            module = sys.modules.get(name)
+            if module is not None:
+                _apply_for_module(module, already_imported=startup_finder is None)
+
+
+def _ensure_finder(startup_finder: Any) -> PostImportFinder:
+    if _engine.finder is None:
+        _engine.finder = PostImportFinder()
+    existing = startup_finder or installed_finder()
+    if existing is None:
+        sys.meta_path.insert(0, _engine.finder)
+    elif existing is not _engine.finder:
+        existing.delegate = _engine.finder  # the startup finder forwards to us from now on
+    return _engine.finder
+
+
+def activate_from_startup(startup_finder: Any) -> None:
+    """Called by the startup hook when ``transformers`` is first imported. Never raises
+    (except in strict mode, which asked for it)."""
+    try:
+        _activate(strict=None, only=None, startup_finder=startup_finder)
+    except OverlayError:
+        if config.strict_from_env():
+            raise
+        record_startup_failure(sys.exc_info()[1])
+    except Exception as exc:
+        record_startup_failure(exc)
+
+
+def record_startup_failure(exc: BaseException | None) -> None:
+    _engine.startup_error = f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"
+    logger.warning("attn-overlay: could not activate: %s (transformers runs unpatched)", _engine.startup_error)
+
+
+# -- public API ----------------------------------------------------------------------------
+
+
+def apply(*, strict: bool | None = None, only: Iterable[str] | None = None) -> list[PatchStatus]:
+    """Activate the overlay in this process: patch what is imported, watch what is not yet.
+
+    Idempotent and thread-safe. ``only`` restricts it to some patch ids. ``strict`` (default:
+    ``ATTN_OVERLAY_STRICT``) raises :class:`OverlayError` for unrecognised code or a failed patch.
+    """
+    _activate(strict=strict, only=only)
+    result = status()
+    if _engine.strict:
+        bad = [s for s in result if s.state in BAD_STATES]
+        if bad:
+            raise OverlayError(
+                "; ".join(f"{s.id}: {s.state}: {s.reason}" for s in bad) + " (strict mode)"
+            )
+    return result
+
+
+def revert(only: Iterable[str] | None = None) -> list[PatchStatus]:
+    """Put back the very same function objects the overlay replaced, and stop watching imports."""
+    with _engine.lock:
+        ids = set(only) if only is not None else set(_engine.records)
+        for patch_id in ids:
+            record = _engine.records.get(patch_id)
+            if record is None:
+                continue
+            _revert_record(record)
+            _set(record, INACTIVE, "reverted")
+        if all(r.status.state in (INACTIVE,) for r in _engine.records.values()):
+            _engine.active = False
+            if _engine.finder is not None:
+                _engine.finder.unwatch_all()
+        return status()
+
+
+def status() -> list[PatchStatus]:
+    """One :class:`PatchStatus` per patch. Does not activate anything."""
+    with _engine.lock:
+        if not _engine.records:
+            version = installed_transformers_version()
+            out = []
+            for patch in _load_patches():
+                record = _initial_record(patch, version, config.disabled_patch_ids())
+                reason = _engine.startup_error or "overlay not activated in this process"
+                out.append(replace(record.status, state=INACTIVE, reason=f"{reason}; would be: {record.status.state} ({record.status.reason})"))
+            return out
+        return [r.status for r in _engine.records.values()]
+
+
+def is_active() -> bool:
+    return _engine.active
+
+
+def apply_timings() -> dict[str, float]:
+    """Seconds spent applying patches, per module, in this process (for the benchmarks)."""
+    return dict(_engine.last_apply_seconds)
+
+
+@contextlib.contextmanager
+def applied(*, only: Iterable[str] | None = None, strict: bool | None = None) -> Iterator[list[PatchStatus]]:
+    """Apply for the duration of a ``with`` block; afterwards revert what this block applied."""
+    with _engine.lock:
+        before = {pid for pid, r in _engine.records.items() if r.status.state == APPLIED}
+        result = apply(strict=strict, only=only)
+        mine = [s.id for s in result if s.state == APPLIED and s.id not in before]
+    try:
+        yield result
+    finally:
+        revert(only=mine)
+
+
+@contextlib.contextmanager
+def reverted() -> Iterator[None]:
+    """Run a block on stock transformers (e.g. a control run while the startup hook is active)."""
+    with _engine.lock:
+        was = [pid for pid, r in _engine.records.items() if r.status.state == APPLIED]
+        revert(only=was)
+    try:
+        yield
+    finally:
+        if was:
+            apply(only=was)
+
+
+@contextlib.contextmanager
+def isolated(patches: Iterable[Patch], *, distribution: str = TRANSFORMERS) -> Iterator[None]:
+    """For tests of the engine itself: a fresh engine state with these patches, gated on the
+    version of ``distribution``. Reverts everything and restores the previous state on exit."""
+    global _engine
+    previous = _engine
+    fresh = _Engine()
+    fresh.patches = tuple(patches)
+    fresh.distribution = distribution
+    with previous.lock:
+        _engine = fresh
+        previous_finder_delegate = None
+        startup = installed_finder()
+        if startup is not None and hasattr(startup, "delegate"):
+            previous_finder_delegate = startup.delegate
+    try:
+        yield
+    finally:
+        with fresh.lock:
+            revert()
+            if fresh.finder is not None and fresh.finder in sys.meta_path:
+                sys.meta_path.remove(fresh.finder)
+        _engine = previous
+        if startup is not None and hasattr(startup, "delegate"):
+            startup.delegate = previous_finder_delegate

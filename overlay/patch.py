@@ -1,0 +1,126 @@
+"""The patch format: what one fix declares about itself.
+
+A patch file in ``patches/`` builds one :class:`Patch` and binds it to the module-level name
+``PATCH``. The engine reads these declarations, gates them on the installed transformers
+version and on the exact source of each target, and only then swaps the target for its
+replacement. Nothing here imports torch or transformers: a patch file must stay cheap to import,
+because the registry loads every patch file when transformers is first imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import linecache
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+#: Attribute set on every replacement the engine installs: the id of the patch it belongs to.
+PATCH_MARKER = "__overlay_patch__"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One function (or method) a patch replaces.
+
+    ``originals`` and ``fixed`` map a sha256 fingerprint (see :func:`fingerprint`) to a label
+    naming the releases that ship that exact code, e.g. ``"5.15.0-5.17.0"``. The label is what
+    status reports and ``scripts/fingerprint_release.py`` show; it is never parsed.
+    """
+
+    module: str
+    """Dotted module name the target lives in, e.g. ``"transformers.generation.utils"``."""
+    qualname: str
+    """Attribute path inside the module, e.g. ``"GenerationMixin.prepare_inputs_for_generation"``."""
+    originals: Mapping[str, str]
+    """Fingerprints of every known original this patch was written against -> release label."""
+    replace: Callable[[Callable[..., Any]], Callable[..., Any]]
+    """Builds the replacement from the original function. Must not mutate the original."""
+    fixed: Mapping[str, str] = field(default_factory=dict)
+    """Fingerprints meaning "upstream already ships the fix" -> release label."""
+    optional: bool = False
+    """When true, a release where the attribute does not exist is fine (target skipped)."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Everything about one fix. See ``patches/`` for real ones and the README for the rules."""
+
+    id: str
+    """Short stable identifier, e.g. ``"device-move-nested"``; used by status, logs and opt-outs."""
+    title: str
+    errors: tuple[str, ...]
+    """The exact error texts users hit (what they paste into a search box)."""
+    why: str
+    """One paragraph: the cause."""
+    upstream: str
+    """Upstream issue / pull request reference."""
+    affected: str
+    """PEP 440 specifier of the transformers releases that carry the bug, e.g. ``">=5.13.0,<5.20.0"``."""
+    fixed_in: str | None
+    """First upstream release that fixes it, or ``None`` when no release does."""
+    targets: tuple[Target, ...]
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError(f"patch {self.id!r} declares no targets")
+        modules = {t.module for t in self.targets}
+        if len(modules) != 1:
+            # One module per patch keeps application atomic: every target of a patch is swapped
+            # in the same post-import callback, or none is.
+            raise ValueError(
+                f"patch {self.id!r} spans modules {sorted(modules)}; split it into one patch per module"
+            )
+
+    @property
+    def module(self) -> str:
+        return self.targets[0].module
+
+
+def source_of(func: Callable[..., Any]) -> str:
+    """The dedented source block of ``func``, decorators included.
+
+    Computed from the code object's first line and :func:`inspect.getblock` rather than
+    :func:`inspect.getsource`: the latter resolves the defining module through a scan of
+    ``sys.modules`` that is far too slow for an import hook. ``scripts/fingerprint_release.py``
+    reads release wheels without importing them and finds the same block the same way
+    (:func:`block_at`), so both sides hash identical text.
+    """
+    func = inspect.unwrap(_underlying_function(func), stop=lambda f: hasattr(f, PATCH_MARKER))
+    code = func.__code__
+    lines = linecache.getlines(code.co_filename)
+    if not lines:
+        raise OSError(f"no source available for {func!r} ({code.co_filename})")
+    return block_at(lines, code.co_firstlineno)
+
+
+def block_at(lines: list[str], first_lineno: int) -> str:
+    """The dedented block starting at 1-based ``first_lineno`` of ``lines`` (decorators first)."""
+    block = inspect.getblock(lines[first_lineno - 1 :])
+    return textwrap.dedent("".join(block))
+
+
+def fingerprint_source(source: str) -> str:
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()
+
+
+def fingerprint(func: Callable[..., Any]) -> str:
+    """sha256 of :func:`source_of` ``func``: how patches recognise the exact code they target."""
+    return fingerprint_source(source_of(func))
+
+
+def _underlying_function(obj: Any) -> Any:
+    if isinstance(obj, (staticmethod, classmethod)):
+        return obj.__func__
+    return obj
+
+
+def wraps(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """:func:`functools.wraps` for replacements: keeps name, docstring, signature (``__wrapped__``)."""
+    return functools.wraps(original)

@@ -1,0 +1,12 @@
+"""The fixes, one module per patch. Installed as ``overlay.patches`` (see setup.py).
+
+A patch module defines ``PATCH = overlay.patch.Patch(...)``; list it here to ship it. Order is
+the order of the status table.
+"""
+
+PATCH_MODULES: tuple[str, ...] = (
+    "device_move",
+    "static_cache_tp_heads",
+    "kv_cache_dtype",
+    "executorch_cache_dtype",
+)

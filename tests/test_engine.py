@@ -1,0 +1,313 @@
+"""The engine, on a throwaway package instead of transformers: gate, fingerprints, hook, revert."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+import threading
+
+import pytest
+
+from overlay import engine
+from overlay.engine import OverlayError
+from overlay.patch import PATCH_MARKER, Target, wraps
+from tests.toypkg import CORE_SOURCE, FIXED_COMPUTE, add_two, make_toy_package, remove_from_path, toy_patch
+
+
+@pytest.fixture
+def toy(tmp_path):
+    package = make_toy_package(tmp_path)
+    yield package
+    remove_from_path(package)
+
+
+def _toy_at(tmp_path, version, source=CORE_SOURCE):
+    return make_toy_package(tmp_path, version=version, source=source)
+
+
+def _state(patch_id="toy-add-two"):
+    return {s.id: s for s in engine.status()}[patch_id]
+
+
+def test_lazy_import_in_range_applies_then_revert_restores_identity(toy):
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        engine.apply()
+        assert _state().state == engine.PENDING
+        assert toy.module not in sys.modules
+        core = toy.import_core()  # the hook fires right after the module body runs
+        original = core.Mixin.__dict__["compute"].__wrapped__
+        assert core.Mixin().compute(1) == 3
+        assert _state().state == engine.APPLIED
+        assert _state().variants == ("1.x",)
+        engine.revert()
+        assert core.Mixin.__dict__["compute"] is original
+        assert core.Mixin().compute(1) == 2
+        assert _state().state == engine.INACTIVE
+
+
+def test_loader_is_the_real_one_after_import(toy):
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        engine.apply()
+        core = toy.import_core()
+        assert type(core.__loader__).__name__ == "SourceFileLoader"
+        assert core.__spec__.loader is core.__loader__
+        assert "return x + 1" in inspect.getsource(core.Mixin.__dict__["compute"].__wrapped__)
+
+
+def test_replacement_keeps_name_doc_signature_and_marker(toy):
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        engine.apply()
+        core = toy.import_core()
+        patched = core.Mixin.__dict__["compute"]
+        assert patched.__name__ == "compute"
+        assert patched.__doc__ == "Adds one (the bug: should add two)."
+        assert str(inspect.signature(patched)) == "(self, x)"
+        assert getattr(patched, PATCH_MARKER) == "toy-add-two"
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [
+        ("0.9", engine.NOT_AFFECTED),
+        ("2.0", engine.FIXED_UPSTREAM),
+        ("2.3.1", engine.FIXED_UPSTREAM),
+        ("1.9.0.dev0", engine.APPLIED),  # dev build of an affected release
+        ("1.5.0+neuron", engine.APPLIED),  # vendor local build
+        ("2.0.0rc1", engine.FIXED_UPSTREAM),  # pre-release of the fixed one: judged by release number
+    ],
+)
+def test_version_gate(tmp_path, version, expected):
+    package = _toy_at(tmp_path, version)
+    try:
+        with engine.isolated([toy_patch(package)], distribution=package.name):
+            engine.apply()
+            core = package.import_core()
+            state = _state()
+            assert state.state == expected, state.reason
+            assert version in state.reason or expected == engine.APPLIED
+            assert core.Mixin().compute(1) == (3 if expected == engine.APPLIED else 2)
+    finally:
+        remove_from_path(package)
+
+
+def test_distribution_not_installed_is_not_affected_and_import_still_works(toy):
+    patch = toy_patch(toy)
+    with engine.isolated([patch], distribution="surely-not-installed-dist"):
+        engine.apply()
+        core = toy.import_core()
+        assert core.Mixin().compute(1) == 2
+        state = _state()
+        assert state.state == engine.NOT_AFFECTED
+        assert "surely-not-installed-dist is not installed" in state.reason
+
+
+def test_fingerprint_mismatch_is_unrecognised_and_untouched(toy, caplog):
+    patch = toy_patch(toy, originals={"0" * 64: "some other release"})
+    with engine.isolated([patch], distribution=toy.name):
+        engine.apply()
+        with caplog.at_level(logging.WARNING, logger="overlay"):
+            core = toy.import_core()
+        assert core.Mixin().compute(1) == 2
+        assert not hasattr(core.Mixin.__dict__["compute"], PATCH_MARKER)
+        state = _state()
+        assert state.state == engine.UNRECOGNISED
+        assert "Mixin.compute is not the code this patch was written for" in state.reason
+        assert any("not applied" in r.getMessage() for r in caplog.records)
+
+
+def test_fingerprint_mismatch_raises_in_strict_mode(toy):
+    patch = toy_patch(toy, originals={"0" * 64: "some other release"})
+    with engine.isolated([patch], distribution=toy.name):
+        engine.apply(strict=True)
+        with pytest.raises(OverlayError, match="not the code this patch was written for.*strict mode"):
+            toy.import_core()
+
+
+def test_strict_mode_from_environment(toy, monkeypatch):
+    monkeypatch.setenv("ATTN_OVERLAY_STRICT", "1")
+    patch = toy_patch(toy, originals={"0" * 64: "some other release"})
+    with engine.isolated([patch], distribution=toy.name):
+        engine.apply()
+        with pytest.raises(OverlayError):
+            toy.import_core()
+
+
+def test_fixed_fingerprint_inside_range_reports_fixed_upstream(tmp_path):
+    # e.g. a 1.x point release that backported the fix
+    package = _toy_at(tmp_path, "1.7.0", source=FIXED_COMPUTE)
+    try:
+        with engine.isolated([toy_patch(package)], distribution=package.name):
+            engine.apply()
+            core = package.import_core()
+            assert core.Mixin().compute(1) == 3  # upstream's own fix, not ours
+            assert not hasattr(core.Mixin.__dict__["compute"], PATCH_MARKER)
+            state = _state()
+            assert state.state == engine.FIXED_UPSTREAM
+            assert "already the fixed code (as in 2.x)" in state.reason
+    finally:
+        remove_from_path(package)
+
+
+def test_already_imported_module_is_patched_at_once_with_a_warning(toy, caplog):
+    core = toy.import_core()
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        with caplog.at_level(logging.INFO, logger="overlay"):
+            engine.apply()
+        assert core.Mixin().compute(1) == 3
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(toy.module in w and "imported before the overlay was activated" in w for w in warnings)
+        infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+        assert len(infos) == 1 and "patched toy-add-two in " + toy.module in infos[0]
+
+
+def test_apply_a_thousand_times_is_one_wrapper_level(toy):
+    core = toy.import_core()
+    original = core.Mixin.__dict__["compute"]
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        for _ in range(1000):
+            engine.apply()
+        patched = core.Mixin.__dict__["compute"]
+        assert patched.__wrapped__ is original
+        assert not hasattr(original, PATCH_MARKER)
+        assert core.Mixin().compute(1) == 3
+        engine.revert()
+        assert core.Mixin.__dict__["compute"] is original
+
+
+def test_a_patch_that_raises_leaves_every_target_untouched(toy):
+    def broken(original):
+        raise RuntimeError("replacement exploded")
+
+    core = toy.import_core()
+    compute_before = core.Mixin.__dict__["compute"]
+    scale_before = core.Mixin.__dict__["scale"]
+    scale_target = Target(
+        module=toy.module,
+        qualname="Mixin.scale",
+        originals={toy.fingerprint("@staticmethod"): "1.x"},
+        replace=broken,
+    )
+    patch = toy_patch(toy, extra_targets=(scale_target,))
+    with engine.isolated([patch], distribution=toy.name):
+        engine.apply()
+        assert core.Mixin.__dict__["compute"] is compute_before
+        assert core.Mixin.__dict__["scale"] is scale_before
+        state = _state()
+        assert state.state == engine.FAILED
+        assert "RuntimeError: replacement exploded" in state.reason
+
+
+def test_staticmethod_target_stays_a_staticmethod(toy):
+    def times_hundred(original):
+        @wraps(original)
+        def scale(x):
+            return original(x) * 10
+
+        return scale
+
+    target = Target(
+        module=toy.module,
+        qualname="Mixin.scale",
+        originals={toy.fingerprint("@staticmethod"): "1.x"},
+        replace=times_hundred,
+    )
+    patch = toy_patch(toy, extra_targets=(target,))
+    with engine.isolated([patch], distribution=toy.name):
+        engine.apply()
+        core = toy.import_core()
+        assert isinstance(core.Mixin.__dict__["scale"], staticmethod)
+        assert core.Mixin.scale(2) == 200
+        engine.revert()
+        assert core.Mixin.scale(2) == 20
+
+
+def test_concurrent_first_imports_from_threads_apply_once(toy):
+    calls = []
+
+    def counting(original):
+        calls.append(1)
+        return add_two(original)
+
+    barrier = threading.Barrier(8)
+    results, errors = [], []
+
+    def worker():
+        try:
+            barrier.wait()
+            core = importlib.import_module(toy.module)
+            results.append(core.Mixin().compute(1))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    with engine.isolated([toy_patch(toy, replace=counting)], distribution=toy.name):
+        engine.apply()
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not errors
+        assert results == [3] * 8
+        assert len(calls) == 1
+        assert _state().state == engine.APPLIED
+
+
+def test_applied_context_reverts_only_what_it_applied(toy):
+    core = toy.import_core()
+    original = core.Mixin.__dict__["compute"]
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        with engine.applied() as statuses:
+            assert [s.state for s in statuses] == [engine.APPLIED]
+            assert core.Mixin().compute(1) == 3
+        assert core.Mixin.__dict__["compute"] is original
+        engine.apply()
+        with engine.applied():
+            pass
+        assert core.Mixin().compute(1) == 3  # applied before the block: still applied after
+        with engine.reverted():
+            assert core.Mixin().compute(1) == 2
+        assert core.Mixin().compute(1) == 3
+
+
+def test_unknown_patch_id_is_a_clear_error(toy):
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        with pytest.raises(OverlayError, match=r"unknown patch id\(s\) \['nope'\]; known: \['toy-add-two'\]"):
+            engine.apply(only=["nope"])
+
+
+def test_disable_variable_leaves_a_patch_out(toy, monkeypatch):
+    monkeypatch.setenv("ATTN_OVERLAY_DISABLE", "toy-add-two")
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        engine.apply()
+        core = toy.import_core()
+        assert core.Mixin().compute(1) == 2
+        assert _state().state == engine.DISABLED
+
+
+def test_invalid_version_string_is_reported_not_raised(tmp_path):
+    package = _toy_at(tmp_path, "not-a-version")
+    try:
+        with engine.isolated([toy_patch(package)], distribution=package.name):
+            engine.apply()
+            core = package.import_core()
+            assert core.Mixin().compute(1) == 2
+            state = _state()
+            assert state.state == engine.UNRECOGNISED
+            assert "not a PEP 440 version" in state.reason
+    finally:
+        remove_from_path(package)
+
+
+def test_a_patch_spanning_two_modules_is_refused():
+    from overlay.patch import Patch
+
+    with pytest.raises(ValueError, match="split it into one patch per module"):
+        Patch(
+            id="x", title="x", errors=(), why="", upstream="", affected=">=1", fixed_in=None,
+            targets=(
+                Target(module="a", qualname="f", originals={}, replace=lambda f: f),
+                Target(module="b", qualname="g", originals={}, replace=lambda f: f),
+            ),
+        )
