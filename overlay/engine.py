@@ -118,11 +118,11 @@ def installed_transformers_version() -> str | None:
 
 def gate(patch: Patch, installed: str | None) -> tuple[str, str]:
     """Decide from the version alone: (state, reason). ``PENDING`` means "check the code next"."""
+    if installed is None:
+        return NOT_AFFECTED, f"{_engine.distribution} is not installed"
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
     from packaging.version import InvalidVersion, Version
 
-    if installed is None:
-        return NOT_AFFECTED, f"{_engine.distribution} is not installed"
     try:
         version = Version(installed)
     except InvalidVersion:

@@ -1,0 +1,158 @@
+"""The startup hook in a real fresh virtual environment, as users get it from the wheel."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from tests.freshenv import build_wheel, install_wheel, make_fresh_env
+
+STATUS_AFTER_IMPORT = textwrap.dedent(
+    """
+    import json, sys
+    import transformers.generation.utils  # noqa: F401  (what a user program does)
+    mods_before = set(sys.modules)
+    import overlay.engine as engine
+    print(json.dumps({"active": engine.is_active(),
+                      "states": {s.id: s.state for s in engine.status()},
+                      "startup_error": engine._engine.startup_error}))
+    """
+)
+
+SPAWN_CHILD = textwrap.dedent(
+    """
+    import json, multiprocessing as mp
+
+    def child(queue):
+        import transformers.generation.utils  # noqa: F401
+        import overlay.engine as engine
+        queue.put((engine.is_active(), {s.id: s.state for s in engine.status()}))
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=child, args=(queue,))
+        proc.start()
+        active, states = queue.get(timeout=200)
+        proc.join(timeout=60)
+        print(json.dumps({"active": active, "states": states, "exitcode": proc.exitcode}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory, wheel):
+    env = make_fresh_env(tmp_path_factory.mktemp("venv") / "env")
+    install_wheel(env, wheel)
+    return env
+
+
+def _last_json(done):
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _expected_active_states():
+    """Every patch must end in a good state once its module is imported: never bad, never pending."""
+    return {"applied", "fixed upstream", "not affected"}
+
+
+def test_wheel_puts_the_hook_at_the_root_of_site_packages(fresh):
+    files = fresh.files()
+    assert "attn_overlay.pth" in files
+    assert "attn_overlay.start" in files
+    assert "_attn_overlay_startup.py" in files
+    assert "overlay/patches/__init__.py" in files
+    assert "patches/__init__.py" not in files  # no generic top-level `patches` package
+
+
+def test_hook_is_active_without_importing_overlay(fresh):
+    done = fresh.run("-c", STATUS_AFTER_IMPORT)
+    result = _last_json(done)
+    assert result["active"] is True, result
+    assert result["startup_error"] is None
+    generation_patches = {k: v for k, v in result["states"].items()}
+    assert generation_patches and set(generation_patches.values()) <= _expected_active_states() | {"pending"}
+    assert done.stderr == ""
+
+
+def test_hook_does_not_import_heavy_modules_at_startup(fresh):
+    done = fresh.run("-c", "import sys, json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch','transformers','packaging','overlay','importlib_metadata'))))")
+    assert _last_json(done) == []
+    done = fresh.run("-c", "import sys; print(any(getattr(f, '_attn_overlay_finder', False) for f in sys.meta_path))")
+    assert done.stdout.strip() == "True"
+
+
+def test_spawn_child_is_patched_too(fresh, tmp_path):
+    script = tmp_path / "spawn_child.py"
+    script.write_text(SPAWN_CHILD)
+    result = _last_json(fresh.run(str(script)))
+    assert result["exitcode"] == 0
+    assert result["active"] is True
+
+
+def test_attn_overlay_0_turns_it_off(fresh):
+    result = _last_json(fresh.run("-c", STATUS_AFTER_IMPORT, env={"ATTN_OVERLAY": "0"}))
+    assert result["active"] is False
+    assert set(result["states"].values()) == {"inactive"}
+
+
+def test_apply_cli_verifies_the_hook(fresh):
+    done = fresh.run("-m", "overlay.apply", "--json", "--strict")
+    report = json.loads(done.stdout)
+    assert report["hook_active"] is True
+    done = fresh.run("-m", "overlay.apply", "--strict", env={"ATTN_OVERLAY": "0"}, check=False)
+    assert done.returncode == 1
+    assert "startup hook: NOT active (ATTN_OVERLAY=0 is set)" in done.stdout
+
+
+def test_apply_cli_runs_a_program_with_patches_applied(fresh, tmp_path):
+    program = tmp_path / "prog.py"
+    program.write_text(
+        "import sys, json\nimport transformers.generation.utils\nimport overlay.engine as e\n"
+        "print(json.dumps({'argv': sys.argv, 'active': e.is_active()}))\n"
+    )
+    result = _last_json(fresh.run("-m", "overlay.apply", str(program), "a", "--b", env={"ATTN_OVERLAY": "0"}))
+    assert result == {"argv": [str(program), "a", "--b"], "active": True}
+
+
+def test_uninstall_leaves_nothing_behind(tmp_path, wheel):
+    env = make_fresh_env(tmp_path / "env", with_runner_packages=False)
+    before = env.files()
+    install_wheel(env, wheel)
+    env.run("-c", "import _attn_overlay_startup, overlay.engine, overlay.patches")  # write bytecode caches
+    env.pip("uninstall", "-y", "attn-overlay")
+    assert env.files() == before
+
+
+def test_transformers_not_installed(tmp_path, wheel):
+    env = make_fresh_env(tmp_path / "env", with_runner_packages=False)
+    install_wheel(env, wheel)
+    # packaging is a dependency; here it comes from the runner through PYTHONPATH-free path line
+    done = env.run("-c", "import transformers", check=False)
+    assert "No module named 'transformers'" in done.stderr
+    assert "attn" not in done.stderr  # the hook itself stays silent
+    done = env.run("-m", "overlay.apply", "--json", check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["transformers"] is None
+    assert report["note"] == "transformers is not installed: nothing to patch"
+
+
+def test_hook_file_left_behind_after_the_package_is_gone(tmp_path, wheel):
+    env = make_fresh_env(tmp_path / "env")
+    install_wheel(env, wheel)
+    import shutil
+
+    shutil.rmtree(env.site_packages / "overlay")
+    done = env.run("-c", "import transformers.generation.utils; print('ok')")
+    assert done.stdout.strip() == "ok" and done.stderr == ""
+    (env.site_packages / "_attn_overlay_startup.py").unlink()
+    done = env.run("-c", "import transformers.generation.utils; print('ok')")
+    assert done.stdout.strip() == "ok" and done.stderr == ""
