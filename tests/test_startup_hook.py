@@ -156,3 +156,49 @@ def test_hook_file_left_behind_after_the_package_is_gone(tmp_path, wheel):
     (env.site_packages / "_attn_overlay_startup.py").unlink()
     done = env.run("-c", "import transformers.generation.utils; print('ok')")
     assert done.stdout.strip() == "ok" and done.stderr == ""
+
+
+def _read_only_runner():
+    """A way to run a command with one directory mounted read-only, as an unprivileged user
+    namespace (root in CI ignores file modes, so chmod proves nothing)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return None
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    return "unshare" if probe.returncode == 0 else None
+
+
+def test_read_only_site_packages(tmp_path, wheel):
+    import subprocess
+
+    if _read_only_runner() is None:
+        pytest.skip("needs `unshare -rm` (user + mount namespaces) to mount site-packages read-only")
+    env = make_fresh_env(tmp_path / "env")
+    install_wheel(env, wheel)
+    # No bytecode caches: the interpreter must compile in memory and cannot write them back.
+    for cache in env.site_packages.rglob("__pycache__"):
+        import shutil
+
+        shutil.rmtree(cache)
+    import shlex
+
+    site = shlex.quote(str(env.site_packages))
+    program = tmp_path / "status_after_import.py"
+    program.write_text(STATUS_AFTER_IMPORT)
+    script = (
+        f"mount --bind {site} {site} && mount -o remount,bind,ro {site} && "
+        f"{{ touch {site}/probe 2>/dev/null && echo WRITABLE; }}; "
+        f"exec {shlex.quote(str(env.python))} {shlex.quote(str(program))}"
+    )
+    import os
+
+    clean_env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_OVERLAY")}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True,
+                          timeout=240, env=clean_env)
+    assert "WRITABLE" not in done.stdout
+    assert done.returncode == 0, done.stderr
+    result = _last_json(done)
+    assert result["active"] is True and result["startup_error"] is None
+    assert not list(env.site_packages.rglob("__pycache__"))
