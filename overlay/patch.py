@@ -37,7 +37,10 @@ class Target:
     originals: Mapping[str, str]
     """Fingerprints of every known original this patch was written against -> release label."""
     replace: Callable[[Callable[..., Any]], Callable[..., Any]]
-    """Builds the replacement from the original function. Must not mutate the original."""
+    """Builds the replacement from the original function. Must not mutate the original, and
+    must not import anything while building: it runs inside the import of the target module
+    under the engine's lock, so an import there could deadlock with another thread's import.
+    Import what the replacement needs inside the replacement's body."""
     fixed: Mapping[str, str] = field(default_factory=dict)
     """Fingerprints meaning "upstream already ships the fix" -> release label."""
     optional: bool = False
