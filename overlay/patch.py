@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import linecache
 import textwrap
+from types import CodeType
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -87,26 +88,70 @@ class Patch:
 
 
 def source_of(func: Callable[..., Any]) -> str:
-    """The dedented source block of ``func``, decorators included.
+    """The dedented source block of ``func``, decorators included: the canonical text a
+    fingerprint hashes.
 
-    Computed from the code object's first line and :func:`inspect.getblock` rather than
-    :func:`inspect.getsource`: the latter resolves the defining module through a scan of
-    ``sys.modules`` that is far too slow for an import hook. ``scripts/fingerprint_release.py``
-    reads release wheels without importing them and finds the same block the same way
-    (:func:`block_at`), so both sides hash identical text.
+    The block runs from the code object's first line (the first decorator) to the last line of
+    its last statement, exactly what :func:`inspect.getblock` returns (:func:`block_at`). It is
+    found from the code object's own line table (:func:`block_end`) instead of by tokenizing, and
+    without :func:`inspect.getsource`, which scans ``sys.modules``: both are far too slow for an
+    import hook (tens of milliseconds for a long method). ``scripts/fingerprint_release.py`` reads
+    release wheels without importing them and compiles the module text to get the same code
+    objects (:func:`source_in_module_text`), so both sides hash identical text.
     """
     func = inspect.unwrap(_underlying_function(func), stop=lambda f: hasattr(f, PATCH_MARKER))
     code = func.__code__
     lines = linecache.getlines(code.co_filename)
     if not lines:
         raise OSError(f"no source available for {func!r} ({code.co_filename})")
-    return block_at(lines, code.co_firstlineno)
+    return _block_of_code(lines, code)
+
+
+def _block_of_code(lines: list[str], code: CodeType) -> str:
+    end = block_end(code)
+    if end is None:  # no line table with end positions (Python < 3.11): tokenize instead
+        return block_at(lines, code.co_firstlineno)
+    return textwrap.dedent("".join(lines[code.co_firstlineno - 1 : end]))
+
+
+def block_end(code: CodeType) -> int | None:
+    """Last source line of ``code``'s body: the largest end line of any of its instructions,
+    nested code (inner functions, comprehensions) included. ``None`` before Python 3.11."""
+    if not hasattr(code, "co_positions"):
+        return None
+    last = code.co_firstlineno
+    pending = [code]
+    while pending:
+        current = pending.pop()
+        for _, end_line, _, _ in current.co_positions():
+            if end_line is not None and end_line > last:
+                last = end_line
+        pending.extend(const for const in current.co_consts if isinstance(const, CodeType))
+    return last
 
 
 def block_at(lines: list[str], first_lineno: int) -> str:
-    """The dedented block starting at 1-based ``first_lineno`` of ``lines`` (decorators first)."""
+    """The dedented block starting at 1-based ``first_lineno`` of ``lines`` (decorators first),
+    found by tokenizing: the reference definition :func:`source_of` must agree with."""
     block = inspect.getblock(lines[first_lineno - 1 :])
     return textwrap.dedent("".join(block))
+
+
+def source_in_module_text(text: str, filename: str, qualname: str) -> str | None:
+    """:func:`source_of` for the function ``qualname`` defined in a module's source ``text``,
+    without importing it (e.g. read from a release wheel). ``None`` when no such function."""
+    module_code = compile(text, filename, "exec", dont_inherit=True)
+    lines = text.splitlines(keepends=True)
+    pending = [module_code]
+    while pending:
+        current = pending.pop()
+        for const in current.co_consts:
+            if not isinstance(const, CodeType):
+                continue
+            if getattr(const, "co_qualname", None) == qualname:
+                return _block_of_code(lines, const)
+            pending.append(const)
+    return None
 
 
 def fingerprint_source(source: str) -> str:
