@@ -1,0 +1,331 @@
+"""What the overlay does when the tensors that reach attention disagree: the mode, the checks, the messages.
+
+Used by two patches: ``kv-cache-dtype`` (what the KV cache stores and hands back) and
+``attention-guard`` (the query, key and value at the entry of every attention function dispatched
+through ``AttentionInterface``). Both read one setting, the *mode*:
+
+``align`` (default)
+    Dtype disagreements are fixed: the cache stores incoming states in its own dtype and hands
+    them back in the dtype of the incoming states (the compute dtype); at the attention entry, key
+    and value are cast to the query's dtype. Everything else (devices, shapes) is validated and a
+    violation raises :class:`AttentionInputError`.
+``strict``
+    Nothing is cast: any disagreement, dtype included, raises :class:`AttentionInputError`
+    naming the tensors. Meant for CI, to find where a mismatched cache comes from.
+``off``
+    Both patches step aside: tensors pass through untouched, as on stock transformers. A kill
+    switch that needs no re-import (the patches stay installed).
+
+Set it with the environment variable ``ATTN_OVERLAY_ATTENTION_GUARD=align|strict|off`` (read
+when this module is first imported) or with :func:`set_mode` / :func:`using_mode` at run time.
+A value that is not a mode is reported once and ``align`` is used.
+
+Under ``torch.compile`` the mode is a module global: dynamo guards on it, so changing the mode
+recompiles the affected frames once instead of being ignored.
+
+Under autocast the dtype rule is left to autocast: on a device where autocast is enabled, query,
+key and value legitimately arrive in different dtypes (rotary embeddings promote q and k to
+float32 while v stays in the autocast dtype) and every attention kernel's autocast policy casts
+them itself. The device and shape checks still run.
+
+Importing this module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any, Iterator
+
+#: Environment variable holding the mode.
+MODE_VAR = "ATTN_OVERLAY_ATTENTION_GUARD"
+ALIGN = "align"
+STRICT = "strict"
+OFF = "off"
+MODES = (ALIGN, STRICT, OFF)
+DEFAULT_MODE = ALIGN
+
+
+class AttentionInputError(RuntimeError):
+    """Query, key, value (or a KV cache and the states written to it) cannot go together.
+
+    The message names each offending tensor with its device, dtype and shape, and says what to do.
+    """
+
+
+class KVCacheDtypeWarning(UserWarning):
+    """A KV cache holds states in another dtype than the one attention computes in (cast on read)."""
+
+
+def _mode_from_env() -> str:
+    raw = os.environ.get(MODE_VAR, "").strip().lower()
+    if not raw:
+        return DEFAULT_MODE
+    if raw not in MODES:
+        warnings.warn(
+            f"{MODE_VAR}={raw!r} is not one of {', '.join(MODES)}; using {DEFAULT_MODE!r}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return DEFAULT_MODE
+    return raw
+
+
+_mode: str = _mode_from_env()
+
+
+def get_mode() -> str:
+    """The current mode: ``"align"``, ``"strict"`` or ``"off"``."""
+    return _mode
+
+
+def set_mode(mode: str | None) -> str:
+    """Set the mode for this process and return the previous one. ``None`` re-reads the environment."""
+    global _mode
+    previous = _mode
+    if mode is None:
+        _mode = _mode_from_env()
+        return previous
+    normalised = str(mode).strip().lower()
+    if normalised not in MODES:
+        raise ValueError(f"attention guard mode must be one of {', '.join(MODES)}, not {mode!r}")
+    _mode = normalised
+    return previous
+
+
+@contextlib.contextmanager
+def using_mode(mode: str) -> Iterator[None]:
+    """Run a block under ``mode``, then restore the previous mode."""
+    previous = set_mode(mode)
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
+# -- messages --------------------------------------------------------------------------------
+
+
+def describe(name: str, tensor: Any) -> str:
+    """``name: device=cpu, dtype=torch.bfloat16, shape=(2, 4, 1, 8)``."""
+    return f"{name}: device={tensor.device}, dtype={tensor.dtype}, shape={tuple(tensor.shape)}"
+
+
+def _where(module: Any, attn_implementation: str | None) -> str:
+    parts = [type(module).__name__ if module is not None else "attention"]
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is not None:
+        parts.append(f"layer {layer_idx}")
+    if attn_implementation is not None:
+        parts.append(f"attn_implementation={attn_implementation!r}")
+    return f"{parts[0]} ({', '.join(parts[1:])})" if len(parts) > 1 else parts[0]
+
+
+_ADVICE = {
+    "device": (
+        "move the model, the inputs and the cache to one device: build caches after model.to(device) "
+        "(or pass device= to early_initialization), and check device_map/offloading placed every "
+        "attention layer's cache with its layer"
+    ),
+    "dtype": (
+        "build or cast the KV cache in the model's compute dtype (e.g. early_initialization(..., dtype=model.dtype), "
+        "or .to(dtype) on a cache prefilled by another model), or set "
+        f"{MODE_VAR}=align to let the overlay cast what the cache hands back"
+    ),
+    "shape": (
+        "the cache was built for another configuration: rebuild it for this model and batch "
+        "(batch size, num_key_value_heads, head_dim come from the model config), or check that a "
+        "custom attention passes tensors shaped [batch, heads, seq_len, head_dim]"
+    ),
+}
+
+
+def _raise(where: str, mode: str, problems: list[tuple[str, str]], tensors: dict[str, Any], named: list[str]) -> None:
+    kinds = []
+    for kind, _ in problems:
+        if kind not in kinds:
+            kinds.append(kind)
+    lines = [f"attn-overlay attention guard (mode={mode}): the inputs of {where} do not go together:"]
+    lines += [f"  - {kind}: {text}" for kind, text in problems]
+    lines.append("tensors:")
+    lines += [f"  {describe(name, tensors[name])}" for name in named]
+    lines.append("what to do:")
+    lines += [f"  - {kind}: {_ADVICE[kind]}" for kind in kinds]
+    raise AttentionInputError("\n".join(lines))
+
+
+def _join(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+# -- the attention-entry check ---------------------------------------------------------------
+
+
+def check_attention_inputs(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    module: Any = None,
+    attn_implementation: str | None = None,
+    mode: str | None = None,
+) -> tuple[Any, Any, Any]:
+    """Validate query, key and value before an attention kernel sees them; return them (aligned).
+
+    Checks: one device; one dtype (cast key/value to the query's in ``align``, raise in
+    ``strict``, left to autocast where it is enabled); for ``[batch, heads, seq, head_dim]``
+    tensors: batch sizes agree (or broadcast from 1), key and value have the same number of heads
+    and positions, the query's heads are a multiple of the key's, the query's and key's head_dim
+    agree. Tensors that are not 4-D (packed/varlen layouts) only get the device and dtype checks.
+
+    Costs a few attribute reads when everything agrees (the fast path below): no copy, no kernel,
+    and under ``torch.compile`` every branch is decided at trace time.
+    """
+    mode = _mode if mode is None else mode
+    if mode == OFF:
+        return query, key, value
+    import torch
+
+    tensor = torch.Tensor
+    if not (isinstance(query, tensor) and isinstance(key, tensor) and isinstance(value, tensor)):
+        return query, key, value
+    if _all_agree(query, key, value):
+        return query, key, value
+    return _diagnose(query, key, value, module, attn_implementation, mode)
+
+
+def _all_agree(query: Any, key: Any, value: Any) -> bool:
+    device, dtype = query.device, query.dtype
+    if key.device != device or value.device != device or key.dtype != dtype or value.dtype != dtype:
+        return False
+    if query.dim() == 4 and key.dim() == 4 and value.dim() == 4:
+        q_batch, q_heads, _, q_dim = query.shape
+        k_batch, k_heads, k_len, k_dim = key.shape
+        v_batch, v_heads, v_len, _ = value.shape
+        return (
+            k_dim == q_dim
+            and k_heads == v_heads
+            and k_len == v_len
+            and k_batch in (q_batch, 1)
+            and v_batch in (q_batch, 1)
+            and k_heads != 0
+            and q_heads % k_heads == 0
+        )
+    return True
+
+
+def _diagnose(query: Any, key: Any, value: Any, module: Any, attn_implementation: str | None, mode: str):
+    """The slow path: find every problem, align dtypes in ``align``, raise on the rest."""
+    import torch
+
+    problems: list[tuple[str, str]] = []
+    named: list[str] = []
+
+    def name(*names: str) -> None:
+        for n in names:
+            if n not in named:
+                named.append(n)
+
+    if key.device != query.device or value.device != query.device:
+        off_device = [n for n, t in (("key", key), ("value", value)) if t.device != query.device]
+        verb = "is" if len(off_device) == 1 else "are"
+        problems.append(("device", f"{_join(off_device)} {verb} not on the query's device {query.device}"))
+        name("query", *off_device)
+
+    dtype_mismatch = key.dtype != query.dtype or value.dtype != query.dtype
+    # Under autocast, dtypes are autocast's business (see the module docstring).
+    if dtype_mismatch and not torch.is_autocast_enabled(query.device.type) and mode == STRICT:
+        off_dtype = [n for n, t in (("key", key), ("value", value)) if t.dtype != query.dtype]
+        dtypes = ", ".join(f"{n} is {t.dtype}" for n, t in (("key", key), ("value", value)) if t.dtype != query.dtype)
+        problems.append(("dtype", f"{dtypes}, but query is {query.dtype}"))
+        name("query", *off_dtype)
+
+    if query.dim() == 4 and key.dim() == 4 and value.dim() == 4:
+        q_batch, q_heads, _, q_dim = query.shape
+        k_batch, k_heads, k_len, k_dim = key.shape
+        v_batch, v_heads, v_len, _ = value.shape
+        off_batch = [n for n, b in (("key", k_batch), ("value", v_batch)) if b != q_batch and b != 1]
+        if off_batch:
+            problems.append(
+                ("shape", f"batch size (dim 0) of {_join(off_batch)} does not match the query's {q_batch}")
+            )
+            name("query", *off_batch)
+        if k_dim != q_dim:
+            problems.append(("shape", f"head_dim (last dim) of key is {k_dim}, of query {q_dim}: they must be equal"))
+            name("query", "key")
+        if k_heads != v_heads:
+            problems.append(("shape", f"key has {k_heads} heads (dim 1), value {v_heads}: they must be equal"))
+            name("key", "value")
+        elif k_heads == 0 or q_heads % k_heads != 0:
+            problems.append(("shape", f"query has {q_heads} heads (dim 1), not a multiple of the key's {k_heads}"))
+            name("query", "key")
+        if k_len != v_len:
+            problems.append(("shape", f"key holds {k_len} positions (dim 2), value {v_len}: they must be equal"))
+            name("key", "value")
+
+    if problems:
+        _raise(
+            _where(module, attn_implementation),
+            mode,
+            problems,
+            {"query": query, "key": key, "value": value},
+            named,
+        )
+    if dtype_mismatch and mode == ALIGN and not torch.is_autocast_enabled(query.device.type):
+        # The query carries the compute dtype (see patches/kv_cache_dtype.py for why).
+        if key.dtype != query.dtype:
+            key = key.to(query.dtype)
+        if value.dtype != query.dtype:
+            value = value.to(query.dtype)
+    return query, key, value
+
+
+# -- the cache side --------------------------------------------------------------------------
+
+#: (which, stored dtype, compute dtype) pairs already warned about in this process.
+_warned_casts: set[tuple[str, str, str]] = set()
+
+
+def warn_cache_cast_once(layer_idx: Any, layer: Any, which: str, stored: Any, compute: Any) -> None:
+    """One :class:`KVCacheDtypeWarning` per (keys/values, stored dtype, compute dtype) and process.
+
+    Never call it from code dynamo traces (it would break the graph): callers skip it when
+    ``torch.compiler.is_compiling()``.
+    """
+    key = (which, str(stored), str(compute))
+    if key in _warned_casts:
+        return
+    _warned_casts.add(key)
+    warnings.warn(
+        f"attn-overlay: KV cache layer {layer_idx} ({type(layer).__name__}) holds {which} in {stored} but "
+        f"attention computes in {compute}; the overlay casts what the cache hands back on every step "
+        f"(one copy of that layer's cache per step). Build the cache in {compute} to avoid the copy. "
+        f"(Shown once per dtype pair; {MODE_VAR}=strict turns this into an error.)",
+        KVCacheDtypeWarning,
+        stacklevel=4,
+    )
+
+
+def reset_warnings() -> None:
+    """Forget which casts were already reported (for tests)."""
+    _warned_casts.clear()
+
+
+class CacheDtypeError(AttentionInputError):
+    """Strict mode: a KV cache layer stores another dtype than the states the model writes to it."""
+
+    def __init__(self, layer: Any, which: str, stored: Any, incoming: Any, layer_idx: Any = None):
+        self.layer, self.which, self.stored, self.incoming, self.layer_idx = layer, which, stored, incoming, layer_idx
+        state = "key_states" if which == "keys" else "value_states"
+        where = f"KV cache layer {layer_idx} ({type(layer).__name__})" if layer_idx is not None else type(layer).__name__
+        super().__init__(
+            f"attn-overlay (mode={STRICT}): {where} stores {which} in {stored.dtype} but the model writes "
+            f"{state} in {incoming.dtype}:\n"
+            f"  {describe(f'cache {which}', stored)}\n"
+            f"  {describe(state, incoming)}\n"
+            f"what to do: {_ADVICE['dtype']}"
+        )
+
+    def for_layer(self, layer_idx: Any) -> "CacheDtypeError":
+        return CacheDtypeError(self.layer, self.which, self.stored, self.incoming, layer_idx)

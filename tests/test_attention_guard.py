@@ -1,0 +1,295 @@
+"""The attention-entry guard (``overlay/guard.py``, patch ``attention-guard``) and its mode setting.
+
+Each kind of violation must give an error that names the offending tensor(s) with device, dtype
+and shape and says what to do; ``align`` fixes dtypes, ``strict`` raises on them, ``off`` leaves
+everything alone. Device mismatches are built with the ``meta`` device (no second accelerator
+needed: the guard only reads metadata).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.version import Version
+
+import overlay
+from overlay import guard
+
+TF_VERSION = Version(importlib.metadata.version("transformers"))
+if TF_VERSION < Version("5.13.0"):
+    pytest.skip("attention-guard covers transformers 5.13.0 and later", allow_module_level=True)
+
+GUARD_ID = "attention-guard"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def guard_applied():
+    """Only the guard (not the cache patch): what the attention entry alone does."""
+    with overlay.applied(only=[GUARD_ID]) as statuses:
+        assert [s.state for s in statuses if s.id == GUARD_ID] == ["applied"], statuses
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _align_mode():
+    with guard.using_mode("align"):
+        yield
+
+
+def qkv(batch=2, q_heads=4, kv_heads=2, q_len=1, kv_len=7, head_dim=8, v_head_dim=None, dtype=torch.bfloat16):
+    query = torch.zeros(batch, q_heads, q_len, head_dim, dtype=dtype)
+    key = torch.zeros(batch, kv_heads, kv_len, head_dim, dtype=dtype)
+    value = torch.zeros(batch, kv_heads, kv_len, v_head_dim or head_dim, dtype=dtype)
+    return query, key, value
+
+
+def problem_lines(message: str) -> list[str]:
+    """The problem list: between the header line and ``tensors:``."""
+    return message.split("tensors:\n")[0].splitlines()[1:]
+
+
+# -- the mode setting ----------------------------------------------------------------------------
+
+
+def test_mode_api_defaults_to_align_and_validates():
+    assert guard.get_mode() == "align"
+    previous = guard.set_mode("strict")
+    try:
+        assert previous == "align" and guard.get_mode() == "strict"
+        with guard.using_mode("off"):
+            assert guard.get_mode() == "off"
+        assert guard.get_mode() == "strict"
+        with pytest.raises(ValueError, match="must be one of align, strict, off"):
+            guard.set_mode("loose")
+    finally:
+        guard.set_mode(previous)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("strict", "strict"), (" OFF ", "off"), ("", "align"), ("bogus", "align")])
+def test_mode_from_environment(value, expected):
+    env = {k: v for k, v in os.environ.items() if k != guard.MODE_VAR}
+    env[guard.MODE_VAR] = value
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", "from overlay import guard; import sys; print(guard.get_mode(), 'torch' in sys.modules)"],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )
+    # the mode module is cheap: it imports neither torch nor transformers
+    assert done.stdout.split() == [expected, "False"]
+    if value == "bogus":
+        assert "ATTN_OVERLAY_ATTENTION_GUARD='bogus' is not one of align, strict, off" in done.stderr
+
+
+# -- each kind of violation -----------------------------------------------------------------------
+
+
+def test_matching_inputs_pass_untouched_in_every_mode():
+    query, key, value = qkv()
+    for mode in guard.MODES:
+        out = guard.check_attention_inputs(query, key, value, mode=mode)
+        assert all(a is b for a, b in zip(out, (query, key, value)))
+
+
+def test_device_mismatch_names_the_tensor_on_the_other_device():
+    query, key, value = qkv()
+    with pytest.raises(guard.AttentionInputError) as caught:
+        guard.check_attention_inputs(query, key, value.to("meta"))
+    message = str(caught.value)
+    assert problem_lines(message) == ["  - device: value is not on the query's device cpu"]
+    assert "value: device=meta, dtype=torch.bfloat16, shape=(2, 2, 7, 8)" in message
+    assert "query: device=cpu, dtype=torch.bfloat16, shape=(2, 4, 1, 8)" in message
+    assert "key: " not in message  # the key is fine: not listed
+    assert "  - device: move the model, the inputs and the cache to one device" in message
+
+
+def test_device_mismatch_is_not_fixed_by_align():
+    query, key, value = qkv()
+    with pytest.raises(guard.AttentionInputError, match=r"key and value are not on the query's device cpu"):
+        guard.check_attention_inputs(query, key.to("meta"), value.to("meta"), mode="align")
+
+
+def test_dtype_mismatch_in_strict_mode_names_the_tensor():
+    query, key, value = qkv()
+    with pytest.raises(guard.AttentionInputError) as caught:
+        guard.check_attention_inputs(query, key.float(), value, mode="strict")
+    message = str(caught.value)
+    assert problem_lines(message) == ["  - dtype: key is torch.float32, but query is torch.bfloat16"]
+    assert "key: device=cpu, dtype=torch.float32, shape=(2, 2, 7, 8)" in message
+    assert "value: " not in message
+    assert "early_initialization(..., dtype=model.dtype)" in message
+
+
+def test_dtype_mismatch_in_align_mode_casts_to_the_query_dtype():
+    query, key, value = qkv()
+    fp32_key = key.float()
+    out_query, out_key, out_value = guard.check_attention_inputs(query, fp32_key, value)
+    assert out_query is query and out_value is value  # only what differs is touched
+    assert out_key.dtype == torch.bfloat16 and torch.equal(out_key, key)
+
+
+def test_autocast_leaves_dtypes_to_autocast_even_in_strict_mode():
+    query, key, value = qkv()
+    fp32_query, fp32_key = query.float(), key.float()  # what rotary embeddings do under autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = guard.check_attention_inputs(fp32_query, fp32_key, value, mode="strict")
+    assert out[0] is fp32_query and out[1] is fp32_key and out[2] is value
+
+
+@pytest.mark.parametrize(
+    ("shapes", "problem", "listed"),
+    [
+        (dict(head_dim=8), "head_dim (last dim) of key is 16, of query 8: they must be equal", ("query", "key")),
+        (dict(), "key holds 7 positions (dim 2), value 6: they must be equal", ("key", "value")),
+        (dict(), "key has 2 heads (dim 1), value 1: they must be equal", ("key", "value")),
+        (dict(q_heads=3), "query has 3 heads (dim 1), not a multiple of the key's 2", ("query", "key")),
+        (dict(), "batch size (dim 0) of key and value does not match the query's 2", ("query", "key", "value")),
+    ],
+    ids=["head_dim", "kv_positions", "kv_heads", "gqa_ratio", "batch"],
+)
+def test_shape_violations_name_the_tensors(shapes, problem, listed):
+    query, key, value = qkv(**shapes)
+    if "head_dim" in problem:
+        key = torch.zeros(2, 2, 7, 16, dtype=torch.bfloat16)
+        value = torch.zeros(2, 2, 7, 16, dtype=torch.bfloat16)
+    elif "positions" in problem:
+        value = value[:, :, :6]
+    elif "value 1" in problem:
+        value = value[:, :1]
+    elif "batch" in problem:
+        key, value = torch.cat([key] * 3), torch.cat([value] * 3)
+    with pytest.raises(guard.AttentionInputError) as caught:
+        guard.check_attention_inputs(query, key, value)
+    message = str(caught.value)
+    assert problem_lines(message) == [f"  - shape: {problem}"]
+    listed_names = [line.split(":")[0].strip() for line in message.split("tensors:\n")[1].split("what to do:")[0].splitlines()]
+    assert listed_names == list(listed)
+    assert "  - shape: the cache was built for another configuration" in message
+
+
+def test_batch_broadcast_and_separate_value_head_dim_are_allowed():
+    query, key, value = qkv(v_head_dim=16)  # MLA-style: values may have their own head_dim
+    guard.check_attention_inputs(query, key[:1], value[:1])  # a batch of 1 broadcasts
+
+
+def test_several_problems_are_reported_together():
+    query, key, value = qkv()
+    with pytest.raises(guard.AttentionInputError) as caught:
+        guard.check_attention_inputs(query, key.to("meta"), value[:, :, :6].float(), mode="strict")
+    kinds = [line.split(":")[0].strip(" -") for line in problem_lines(str(caught.value))]
+    assert kinds == ["device", "dtype", "shape"]
+
+
+def test_packed_layouts_only_get_device_and_dtype_checks():
+    packed_query = torch.zeros(5, 4, 8, dtype=torch.bfloat16)  # varlen: [tokens, heads, head_dim]
+    packed_kv = torch.zeros(9, 2, 8, dtype=torch.bfloat16)
+    guard.check_attention_inputs(packed_query, packed_kv, packed_kv)
+    with pytest.raises(guard.AttentionInputError, match="value is not on the query's device"):
+        guard.check_attention_inputs(packed_query, packed_kv, packed_kv.to("meta"))
+
+
+def test_mode_off_checks_nothing():
+    query, key, value = qkv()
+    out = guard.check_attention_inputs(query, key.to("meta"), value[:, :1].float(), mode="off")
+    assert out[1].device.type == "meta" and out[2].dtype == torch.float32
+
+
+def test_message_names_the_layer_and_the_implementation():
+    class LlamaAttention:  # stands for the calling module
+        layer_idx = 3
+
+    query, key, value = qkv()
+    with pytest.raises(guard.AttentionInputError) as caught:
+        guard.check_attention_inputs(query, key.float(), value, module=LlamaAttention(), attn_implementation="sdpa", mode="strict")
+    assert str(caught.value).startswith(
+        "attn-overlay attention guard (mode=strict): the inputs of LlamaAttention (layer 3, attn_implementation='sdpa') do not go together:"
+    )
+
+
+# -- through the patch: every attention implementation dispatched by get_interface ----------------
+
+
+def _dummy_eager(module, query, key, value, attention_mask, **kwargs):
+    return "eager ran", (query.dtype, key.dtype, value.dtype)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_get_interface_wraps_registered_kernels_and_each_models_eager(implementation):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    query, key, value = qkv()
+    unpatched = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _dummy_eager)
+    with guard_applied():
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _dummy_eager)
+        assert attention is not unpatched and attention.__wrapped__ is unpatched
+        with pytest.raises(guard.AttentionInputError, match=re.escape(f"attn_implementation={implementation!r}")):
+            attention(None, query, key[..., :4], value, None, scaling=1.0)
+        with guard.using_mode("off"):
+            assert ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _dummy_eager) is unpatched
+    if implementation == "eager":  # the model's own eager function is what runs, behind the guard
+        with guard_applied():
+            result = ALL_ATTENTION_FUNCTIONS.get_interface("eager", _dummy_eager)(None, query, key.float(), value, None)
+        assert result == ("eager ran", (torch.bfloat16,) * 3)
+
+
+def _tiny_llama(attn, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=2,
+    )
+    config._attn_implementation = attn
+    model = LlamaForCausalLM(config).eval().to(dtype)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _prefix_then_generate(attn, cast_prefix_to=None):
+    """float32 prefix cache (a DynamicCache, which keeps whatever dtype it is given), bf16 decoding."""
+    from transformers import DynamicCache
+
+    model = _tiny_llama(attn, torch.bfloat16)
+    twin = _tiny_llama(attn, torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        twin(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+    if cast_prefix_to is not None:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.to(cast_prefix_to), layer.values.to(cast_prefix_to)
+    out = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, do_sample=False, disable_compile=True)
+    return out[:, -4:]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_guard_in_a_model_strict_names_layer_and_tensors_instead_of_the_kernel_error(attn):
+    torch.set_num_threads(1)
+    with guard_applied(), guard.using_mode("strict"):
+        with pytest.raises(guard.AttentionInputError) as caught:
+            _prefix_then_generate(attn)
+    message = str(caught.value)
+    assert f"the inputs of LlamaAttention (layer 0, attn_implementation={attn!r}) do not go together" in message
+    assert "  - dtype: key is torch.float32, value is torch.float32, but query is torch.bfloat16" in message
+    assert "key: device=cpu, dtype=torch.float32, shape=(1, 2, 6, 8)" in message
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_guard_in_a_model_align_casts_at_the_entry(attn):
+    # Without the cache patch, the guard alone still hands the kernel one dtype (for models that
+    # dispatch through get_interface); tokens equal a prefix cast by hand.
+    torch.set_num_threads(1)
+    with overlay.reverted():
+        reference = _prefix_then_generate(attn, cast_prefix_to=torch.bfloat16)
+    with guard_applied():
+        tokens = _prefix_then_generate(attn)
+    assert torch.equal(tokens, reference)

@@ -1,0 +1,159 @@
+"""Patch ``executorch-cache-dtype``: the seq2seq export module's static cache follows the model's dtype.
+
+On a tiny bfloat16 T5: stock fails on the first decoder step with the ``index_copy_`` dtype error
+(its cache is hard-coded float32); with the patch the module's logits equal a run of the same
+decoder with a static cache built in bfloat16 by hand, eagerly and through ``torch.export``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import re
+
+import pytest
+import torch
+from packaging.version import Version
+
+import overlay
+
+TF_VERSION = Version(importlib.metadata.version("transformers"))
+if TF_VERSION < Version("5.13.0"):
+    pytest.skip("executorch-cache-dtype covers transformers 5.13.0 and later", allow_module_level=True)
+
+from transformers import (  # noqa: E402
+    DynamicCache,
+    EncoderDecoderCache,
+    StaticCache,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+PATCH_ID = "executorch-cache-dtype"
+INDEX_COPY_ERROR = (
+    "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16"
+)
+MAX_CACHE_LEN = 8
+STEPS = 3
+
+
+@contextlib.contextmanager
+def overlay_on():
+    with overlay.applied(only=[PATCH_ID]) as statuses:
+        assert [s.state for s in statuses if s.id == PATCH_ID] == ["applied"], statuses
+        yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def t5():
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )
+    model = T5ForConditionalGeneration(config).eval().to(torch.bfloat16)
+    with torch.no_grad():
+        encoder_states = model.get_encoder()(input_ids=torch.tensor([[5, 6, 7, 8, 9]])).last_hidden_state
+    return model, encoder_states
+
+
+def greedy_steps(step):
+    """Run ``STEPS`` greedy decoder steps through ``step(token, position) -> logits``."""
+    token, all_logits = torch.tensor([[0]]), []
+    with torch.no_grad():
+        for position in range(STEPS):
+            logits = step(token, position)
+            all_logits.append(logits)
+            token = logits[:, -1:].argmax(-1)
+    return all_logits
+
+
+def export_module(model):
+    from transformers.integrations.executorch import Seq2SeqLMDecoderExportableModuleWithStaticCache
+
+    return Seq2SeqLMDecoderExportableModuleWithStaticCache(model, max_static_cache_length=MAX_CACHE_LEN, batch_size=1)
+
+
+def bf16_cache_reference(model, encoder_states):
+    """The same decoder and lm_head as the export module, with the static cache built in bfloat16 by hand."""
+    config = model.config
+    self_attention = StaticCache(config=config, max_cache_len=MAX_CACHE_LEN)
+    self_attention.early_initialization(1, config.num_heads, config.d_kv, torch.bfloat16, "cpu")
+    cache = EncoderDecoderCache(self_attention, DynamicCache(config=config))
+    decoder = model.get_decoder()
+    return greedy_steps(
+        lambda token, _: model.lm_head(
+            decoder(input_ids=token, encoder_hidden_states=encoder_states, past_key_values=cache, use_cache=True)[0]
+        )
+    )
+
+
+def test_stock_module_fails_on_a_bf16_model(t5):
+    model, encoder_states = t5
+    with overlay.reverted():
+        module = export_module(model)
+        assert module.static_cache.layers[0].keys.dtype == torch.float32  # the hard-coded dtype
+        with pytest.raises(RuntimeError, match=re.escape(INDEX_COPY_ERROR)):
+            greedy_steps(lambda token, position: module(token, encoder_states, torch.tensor([position])))
+
+
+def test_patched_module_logits_equal_a_bf16_cache_run(t5):
+    model, encoder_states = t5
+    reference = bf16_cache_reference(model, encoder_states)
+    with overlay_on():
+        module = export_module(model)
+    layers = module.static_cache.layers
+    assert {layer.keys.dtype for layer in layers} | {layer.values.dtype for layer in layers} == {torch.bfloat16}
+    # the buffers the exported program will carry are the cache's tensors
+    for i, layer in enumerate(layers):
+        assert getattr(module, f"key_cache_{i}") is layer.keys and getattr(module, f"value_cache_{i}") is layer.values
+    logits = greedy_steps(lambda token, position: module(token, encoder_states, torch.tensor([position])))
+    assert all(torch.equal(got, want) for got, want in zip(logits, reference))
+    assert logits[0].dtype == torch.bfloat16
+
+
+@pytest.mark.slow  # torch.export(strict=True) of the decoder: ~12 s alone, far more on a busy 2-core box
+@pytest.mark.filterwarnings("ignore:While compiling, we found certain side effects:UserWarning")
+def test_patched_module_exports_and_the_program_matches(t5):
+    model, encoder_states = t5
+    reference = bf16_cache_reference(model, encoder_states)
+    with overlay_on():
+        module = export_module(model)
+    with torch.no_grad():
+        program = torch.export.export(module, (torch.tensor([[0]]), encoder_states, torch.tensor([0])), strict=True)
+    exported = program.module()
+    logits = greedy_steps(lambda token, position: exported(token, encoder_states, torch.tensor([position])))
+    assert all(torch.equal(got, want) for got, want in zip(logits, reference))
+
+
+def test_float32_model_is_left_exactly_as_stock(t5):
+    from unittest import mock
+
+    from transformers.cache_utils import StaticLayer
+
+    model, _ = t5
+    fp32_model = T5ForConditionalGeneration(model.config).eval()
+    allocations = []
+    original = StaticLayer.lazy_initialization
+
+    def counting(layer, *args, **kwargs):
+        allocations.append(layer)
+        return original(layer, *args, **kwargs)
+
+    with mock.patch.object(StaticLayer, "lazy_initialization", counting):
+        with overlay.reverted():
+            export_module(fp32_model)
+        stock_allocations = len(allocations)
+        with overlay_on():
+            module = export_module(fp32_model)
+    # nothing re-allocated: as many cache allocations as stock, all float32
+    assert len(allocations) == 2 * stock_allocations
+    assert all(layer.keys.dtype == torch.float32 for layer in module.static_cache.layers)

@@ -1,0 +1,448 @@
+"""Patch ``kv-cache-dtype``: a KV cache in another dtype than the model's compute dtype.
+
+Each scenario of the issue runs three times on tiny random Llama / Qwen3 / Gemma3 (Gemma3 with a
+sliding-window layer and a prompt longer than the window), for sdpa and eager:
+stock transformers (must fail with the error users report, on every affected release), with the
+overlay (must pass), and a reference run on stock transformers (must give the same token ids).
+Tests adapt to the installed release: plain autocast + static cache works on stock 5.24.0 (its
+StaticLayer allocates values in their own dtype) and fails before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import re
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from packaging.version import Version
+
+import overlay
+from overlay import guard
+
+TF_VERSION = Version(importlib.metadata.version("transformers"))
+if TF_VERSION < Version("5.13.0"):
+    pytest.skip("kv-cache-dtype covers transformers 5.13.0 and later", allow_module_level=True)
+
+from transformers import (  # noqa: E402  (after the version gate)
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    StaticCache,
+)
+
+PATCH_ID = "kv-cache-dtype"
+GUARD_ID = "attention-guard"
+
+# The exact errors of stock transformers (what users paste into a search box).
+INDEX_COPY_ERROR = (
+    "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16"
+)
+SDPA_ERROR = (
+    "Expected query, key, and value to have the same dtype, but got query.dtype: c10::BFloat16 "
+    "key.dtype: float and value.dtype: float instead."
+)
+EAGER_ERROR = "expected scalar type BFloat16 but found Float"
+PREFIX_ERRORS = {"sdpa": SDPA_ERROR, "eager": EAGER_ERROR}
+CAST_WARNING = r"KV cache layer 0 \(Static(SlidingWindow)?Layer\) holds keys in torch.float32 but attention computes in torch.bfloat16"
+
+# Since 5.24.0 StaticLayer allocates values in the value dtype: plain autocast + static works.
+AUTOCAST_STATIC_WORKS_ON_STOCK = TF_VERSION >= Version("5.24.0")
+
+# The scenarios' expected casts are reported once per test (see the warning tests); keep them out of the summary.
+pytestmark = pytest.mark.filterwarnings("ignore::overlay.guard.KVCacheDtypeWarning")
+
+KINDS = ("llama", "qwen3", "gemma3")
+ATTNS = ("sdpa", "eager")
+NEW_TOKENS = 5
+MAX_CACHE_LEN = 16
+
+
+# -- applying the overlay --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def overlay_on(*ids: str):
+    """Apply these patches through the engine for a block (gated on version and fingerprint)."""
+    ids = ids or (PATCH_ID, GUARD_ID)
+    with overlay.applied(only=list(ids)) as statuses:
+        states = {s.id: s.state for s in statuses if s.id in ids}
+        assert states == {i: "applied" for i in ids}, statuses
+        yield
+
+
+stock = overlay.reverted  # the control: stock transformers (a no-op when nothing is applied)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings_and_mode():
+    guard.reset_warnings()
+    with guard.using_mode("align"):
+        yield
+
+
+# -- tiny models and inputs ------------------------------------------------------------------
+
+_MODELS: dict = {}
+
+
+def tiny_model(kind: str, attn: str, dtype: torch.dtype = torch.bfloat16):
+    """Tiny random model; the same weights for every dtype (cast from one float32 build)."""
+    key = (kind, attn, dtype)
+    if key not in _MODELS:
+        torch.manual_seed(0)
+        common = dict(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2,
+        )
+        if kind == "llama":
+            config, cls = LlamaConfig(**common), LlamaForCausalLM
+        elif kind == "qwen3":
+            config, cls = Qwen3Config(**common), Qwen3ForCausalLM
+        else:
+            # A sliding layer (window 4 < prompt 6) and a full one: both static layer kinds run.
+            config = Gemma3TextConfig(**common, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+            cls = Gemma3ForCausalLM
+        config._attn_implementation = attn
+        model = cls(config).eval().to(dtype)
+        model.generation_config.eos_token_id = None  # always NEW_TOKENS tokens
+        _MODELS[key] = model
+    return _MODELS[key]
+
+
+# Left-padded batch of two, made by hand.
+INPUT_IDS = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+ATTENTION_MASK = (INPUT_IDS != 0).long()
+
+
+def generate(model, **kwargs):
+    out = model.generate(
+        input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, max_new_tokens=NEW_TOKENS, do_sample=False,
+        disable_compile=True, return_dict_in_generate=True, output_logits=True, **kwargs,
+    )
+    return out.sequences[:, -NEW_TOKENS:], torch.stack(out.logits)
+
+
+def static_cache(model, dtype):
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=MAX_CACHE_LEN)
+    cache.early_initialization(INPUT_IDS.shape[0], config.num_key_value_heads, config.head_dim, dtype, "cpu")
+    return cache
+
+
+def fp32_prefix_cache(kind, attn, cast_to=None):
+    """A shared prompt prefix computed once by the float32 twin of the model."""
+    model32 = tiny_model(kind, attn, torch.float32)
+    cache = DynamicCache(config=model32.config)
+    with torch.no_grad():
+        model32(input_ids=INPUT_IDS[:, :-1], attention_mask=ATTENTION_MASK[:, :-1], past_key_values=cache, use_cache=True)
+    if cast_to is not None:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.to(cast_to), layer.values.to(cast_to)
+    return cache
+
+
+def autocast_generate(kind, attn, **kwargs):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return generate(tiny_model(kind, attn, torch.float32), **kwargs)
+
+
+# -- the scenarios ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_user_static_cache_in_fp32_on_bf16_model(kind, attn):
+    model = tiny_model(kind, attn)
+    with stock(), pytest.raises(RuntimeError, match=re.escape(INDEX_COPY_ERROR)):
+        generate(model, past_key_values=static_cache(model, torch.float32))
+    with overlay_on(), pytest.warns(guard.KVCacheDtypeWarning, match=CAST_WARNING):
+        tokens, logits = generate(model, past_key_values=static_cache(model, torch.float32))
+    with stock():
+        ref_tokens, ref_logits = generate(model, past_key_values=static_cache(model, torch.bfloat16))
+    assert torch.equal(tokens, ref_tokens)
+    # bf16 -> fp32 -> bf16 is exact: attention saw bit-identical inputs
+    assert torch.equal(logits, ref_logits)
+
+
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp32_prefilled_dynamic_cache_then_bf16_decoding(kind, attn):
+    model = tiny_model(kind, attn)
+    with stock(), pytest.raises(RuntimeError, match=re.escape(PREFIX_ERRORS[attn])):
+        generate(model, past_key_values=fp32_prefix_cache(kind, attn))
+    with overlay_on():
+        cache = fp32_prefix_cache(kind, attn)
+        tokens, logits = generate(model, past_key_values=cache)
+    # The cache keeps its dtype: torch.cat no longer promotes, and writes were stored in float32.
+    assert {layer.keys.dtype for layer in cache.layers} == {torch.float32}
+    with stock():
+        ref_tokens, ref_logits = generate(model, past_key_values=fp32_prefix_cache(kind, attn, cast_to=torch.bfloat16))
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(logits, ref_logits)
+
+
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_autocast_generate_with_static_cache(kind, attn):
+    with stock():
+        ref_tokens, ref_logits = autocast_generate(kind, attn)  # default dynamic cache
+        if AUTOCAST_STATIC_WORKS_ON_STOCK:
+            stock_tokens, _ = autocast_generate(kind, attn, cache_implementation="static")
+            assert torch.equal(stock_tokens, ref_tokens)
+        else:
+            with pytest.raises(RuntimeError, match=re.escape(INDEX_COPY_ERROR)):
+                autocast_generate(kind, attn, cache_implementation="static")
+    with overlay_on():
+        tokens, logits = autocast_generate(kind, attn, cache_implementation="static")
+    assert torch.equal(tokens, ref_tokens)
+    # a static cache attends over its whole (masked) buffer: same maths, other summation order
+    torch.testing.assert_close(logits, ref_logits, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_autocast_generate_with_static_cache_and_chunked_prefill(kind, attn):
+    # generate() initialises the static cache early, in the model's dtype (float32), for chunked prefill
+    with stock():
+        ref_tokens, ref_logits = autocast_generate(kind, attn)
+        with pytest.raises(RuntimeError, match=re.escape(INDEX_COPY_ERROR)):
+            autocast_generate(kind, attn, cache_implementation="static", prefill_chunk_size=2)
+    with overlay_on():
+        tokens, logits = autocast_generate(kind, attn, cache_implementation="static", prefill_chunk_size=2)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=2e-2, rtol=2e-2)
+
+
+# -- warning, modes ----------------------------------------------------------------------------
+
+
+def test_cast_warning_is_shown_once_per_dtype_pair_and_names_layer_and_dtypes():
+    model = tiny_model("llama", "sdpa")
+    with overlay_on(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(model, past_key_values=static_cache(model, torch.float32))
+        generate(model, past_key_values=static_cache(model, torch.float32))
+    messages = [str(w.message) for w in caught if issubclass(w.category, guard.KVCacheDtypeWarning)]
+    assert len(messages) == 2, messages  # keys and values, once each, for two full generations
+    assert "KV cache layer 0 (StaticLayer) holds keys in torch.float32 but attention computes in torch.bfloat16" in messages[0]
+    assert "holds values in torch.float32" in messages[1]
+
+
+def test_no_warning_when_dtypes_match():
+    model = tiny_model("gemma3", "eager")
+    with overlay_on(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(model, past_key_values=static_cache(model, torch.bfloat16))
+    assert not [w for w in caught if issubclass(w.category, guard.KVCacheDtypeWarning)]
+
+
+def test_strict_mode_raises_naming_layer_and_tensors():
+    model = tiny_model("llama", "sdpa")
+    with overlay_on(), guard.using_mode("strict"):
+        with pytest.raises(guard.AttentionInputError) as caught:
+            generate(model, past_key_values=static_cache(model, torch.float32))
+    message = str(caught.value)
+    assert "KV cache layer 0 (StaticLayer) stores keys in torch.float32 but the model writes key_states in torch.bfloat16" in message
+    assert "cache keys: device=cpu, dtype=torch.float32, shape=(2, 2, 16, 8)" in message
+    assert "key_states: device=cpu, dtype=torch.bfloat16, shape=(2, 2, 6, 8)" in message
+    assert "what to do:" in message
+
+
+def test_strict_mode_names_a_promoting_dynamic_layer():
+    model = tiny_model("qwen3", "eager")
+    with overlay_on(), guard.using_mode("strict"):
+        with pytest.raises(guard.AttentionInputError, match=r"KV cache layer 0 \(DynamicLayer\) stores keys in torch.float32"):
+            generate(model, past_key_values=fp32_prefix_cache("qwen3", "eager"))
+
+
+def test_mode_off_passes_through_like_stock():
+    model = tiny_model("llama", "sdpa")
+    with overlay_on(), guard.using_mode("off"), pytest.raises(RuntimeError, match=re.escape(INDEX_COPY_ERROR)):
+        generate(model, past_key_values=static_cache(model, torch.float32))
+
+
+# -- torch.compile -------------------------------------------------------------------------------
+
+
+def _compiled_decode(kind, cache_dtype, steps=4):
+    """Eager prefill, then ``steps`` decode steps under torch.compile(fullgraph=True).
+
+    The CompileCounter backend counts frames and ops without running inductor (seconds, not minutes).
+    Returns (generated token ids, compiled frames, ops in the graph, cast warnings emitted by the
+    compiled steps).
+    """
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model = tiny_model(kind, "sdpa")
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=MAX_CACHE_LEN)
+    cache.early_initialization(1, config.num_key_value_heads, config.head_dim, cache_dtype, "cpu")
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    # What the compiled steps see first must be the mismatch, not the eager prefill's report.
+    guard.reset_warnings()
+    counter = CompileCounter()
+
+    def decode_step(token, position):
+        return model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True).logits
+
+    compiled = torch.compile(decode_step, backend=counter, fullgraph=True)
+    tokens = []
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            logits = compiled(token, torch.tensor([[prompt.shape[1] + step]]))
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(token.item())
+    torch._dynamo.reset()
+    cast_warnings = [w for w in caught if issubclass(w.category, guard.KVCacheDtypeWarning)]
+    return tokens, counter.frame_count, counter.op_count, cast_warnings
+
+
+def test_compiled_decode_step_matching_dtypes_compiles_once_and_adds_no_op():
+    with stock():
+        stock_tokens, stock_frames, stock_ops, _ = _compiled_decode("llama", torch.bfloat16)
+    with overlay_on():
+        tokens, frames, ops, _ = _compiled_decode("llama", torch.bfloat16)
+    # fullgraph=True raises on any graph break; one frame over four steps: no recompilation
+    assert frames == 1 == stock_frames
+    assert ops == stock_ops  # the dtype checks are decided at trace time: not one op more
+    assert tokens == stock_tokens
+
+
+def test_compiled_decode_step_with_fp32_cache_casts_inside_the_graph():
+    with stock():
+        ref_tokens, _, ref_ops, _ = _compiled_decode("llama", torch.bfloat16)
+    with overlay_on():
+        tokens, frames, ops, cast_warnings = _compiled_decode("llama", torch.float32)
+    assert frames == 1  # the mismatch branch (cast, skipped warning) did not break or recompile
+    layers = tiny_model("llama", "sdpa").config.num_hidden_layers
+    assert ops == ref_ops + 4 * layers  # per layer: key and value cast on write, and back on read
+    assert tokens == ref_tokens
+    # the warning is not emitted from compiled code (it would break the graph); the eager prefill reported it
+    assert cast_warnings == []
+
+
+@pytest.mark.slow  # two models x two frames of dynamo tracing: ~25 s on a 2-core box
+def test_compiled_sliding_window_decode_compiles_as_often_as_stock():
+    # StaticSlidingWindowLayer keeps a Python int position: stock compiles it twice (the int changes)
+    with stock():
+        stock_tokens, stock_frames, stock_ops, _ = _compiled_decode("gemma3", torch.bfloat16)
+    with overlay_on():
+        tokens, frames, ops, _ = _compiled_decode("gemma3", torch.bfloat16)
+    assert (frames, ops, tokens) == (stock_frames, stock_ops, stock_tokens)
+
+
+# -- copies ---------------------------------------------------------------------------------------
+
+
+def _aten_ops_of_one_decode_step(kind, attn, cache_dtype) -> Counter:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model(kind, attn)
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=MAX_CACHE_LEN)
+    cache.early_initialization(1, config.num_key_value_heads, config.head_dim, cache_dtype, "cpu")
+    with torch.no_grad():
+        token = model(input_ids=torch.tensor([[5, 6, 7, 8]]), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        counting = CountOps()
+        with counting:
+            model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[4]]), use_cache=True)
+    return counting.ops
+
+
+@pytest.mark.parametrize("attn", ATTNS)
+def test_aligned_path_adds_no_copy_when_dtypes_match(attn):
+    with stock():
+        stock_ops = _aten_ops_of_one_decode_step("qwen3", attn, torch.bfloat16)
+    with overlay_on():
+        ops = _aten_ops_of_one_decode_step("qwen3", attn, torch.bfloat16)
+    assert ops["_to_copy"] == stock_ops["_to_copy"] and ops["copy_"] == stock_ops["copy_"]
+    assert ops == stock_ops  # not one aten op more, of any kind (cache patch and guard together)
+
+
+def test_copy_count_sees_the_casts_of_a_mismatched_cache():
+    # The counter is not blind: an fp32 cache costs two casts per layer on write and two on read.
+    with overlay_on():
+        matched = _aten_ops_of_one_decode_step("qwen3", "sdpa", torch.bfloat16)
+        mismatched = _aten_ops_of_one_decode_step("qwen3", "sdpa", torch.float32)
+    layers = tiny_model("qwen3", "sdpa").config.num_hidden_layers
+    assert mismatched["_to_copy"] - matched["_to_copy"] == 4 * layers
+
+
+# -- FlashAttention-2 (CUDA only) ------------------------------------------------------------------
+
+
+def _flash_attention_2_missing() -> str | None:
+    """Why flash_attention_2 cannot run here, or None when it can."""
+    if not torch.cuda.is_available():
+        return "flash_attention_2 is CUDA-only and this machine has no CUDA device"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "flash_attention_2 needs the flash-attn package, which is not installed"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_flash_attention_2_missing() is not None, reason=str(_flash_attention_2_missing()))
+def test_flash_attention_2_with_fp32_prefilled_cache():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, pad_token_id=0, eos_token_id=2,
+    )
+    config._attn_implementation = "flash_attention_2"
+    model = LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]], device="cuda")
+
+    def prefix(dtype):
+        twin = LlamaForCausalLM(config).eval().to("cuda", torch.float32)
+        twin.load_state_dict(model.state_dict())
+        cache = DynamicCache(config=config)
+        with torch.no_grad():
+            twin(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
+        return cache
+
+    def run(cache):
+        return model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+                              disable_compile=True)[:, -NEW_TOKENS:]
+
+    with stock(), pytest.raises(RuntimeError, match="query and key must have the same dtype"):
+        run(prefix(torch.float32))
+    with overlay_on():
+        tokens = run(prefix(torch.float32))
+    with stock():
+        assert torch.equal(tokens, run(prefix(torch.bfloat16)))
