@@ -55,7 +55,7 @@ setup(
         "torch>=2.4",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "build", "nox"],
+        "test": ["pytest>=8", "hypothesis>=6", "nox", "accelerate"],
         "bench": ["matplotlib"],
         # Multi-device / tensor-parallel users: accelerate. Neuron (trn2) users also need
         # torch-neuronx, which is published on AWS's own package index, not here: install it

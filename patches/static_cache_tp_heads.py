@@ -1,0 +1,163 @@
+"""Static cache under tensor parallelism: divide KV heads by ``tp_size`` only when attention is sharded.
+
+``GenerationMixin._get_static_cache_init_shape`` (transformers 5.13.0 - 5.19.0) gives the head
+count a ``StaticCache`` is eagerly allocated with when ``generate(cache_implementation="static",
+prefill_chunk_size=N)`` runs. Under tensor parallelism it divides the KV heads by ``tp_size``
+whatever the plan says. Only a key projection planned ``colwise`` leaves each rank with
+``heads / tp_size`` heads; with attention left out of the plan, or a key projection planned
+``colwise_gather_output`` (OLMo2/OLMo3, OLMoE, FlexOlmo, MiniMax-M2 ship that plan), every rank
+computes all heads and the first cache write fails.
+
+The replacement decides from the model's effective plan (``model.tp_plan``, the plan
+``from_pretrained`` sharded the model with) and then lets the release's own function compute the
+shape, so everything else each variant does stays exactly as shipped: the device-map check, the
+MLA check, per-layer head counts (5.18+), the uneven-heads fallback to lazy initialisation
+(``None``) and the return types.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Mapping
+
+from overlay.patch import Patch, Target, wraps
+
+PATCH_ID = "static-cache-tp-heads"
+
+logger = logging.getLogger("overlay")
+
+#: Modules whose output holds the attention keys, fused or not (matched as the plan key's last part).
+KEY_PROJECTIONS = frozenset({"k_proj", "qkv_proj", "query_key_value"})
+
+#: The output keeps ``heads / tp_size`` heads on each rank: ``ColwiseParallel`` with a ``Shard(-1)``
+#: output, handed on as the local shard.
+HEAD_SHARDING_STYLES = frozenset({"colwise"})
+
+#: The output holds every head on every rank: styles whose output layout is ``Replicate()``
+#: (a gathered column-parallel output, or a row-parallel output after its all-reduce), as defined
+#: in transformers' ``ParallelInterface`` in every release 5.13.0 - 5.24.0 that has them.
+FULL_HEADS_STYLES = frozenset(
+    {"colwise_gather_output", "colwise_rep", "rowwise", "rowwise_split_input", "rowwise_rep"}
+)
+
+_warned_styles: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def key_projection_styles(tp_plan: Mapping[str, Any] | None) -> dict[str, str]:
+    """``{plan key: style}`` for every plan entry that names a key projection."""
+    found: dict[str, str] = {}
+    for key, style in (tp_plan or {}).items():
+        # Module keys, e.g. "layers.*.self_attn.k_proj": the style of the module's forward hooks,
+        # which decide what its output holds (the same reading as upstream's fix in 5.20.0).
+        if str(key).rsplit(".", 1)[-1] in KEY_PROJECTIONS:
+            found[str(key)] = str(style)
+    return found
+
+
+def kv_heads_sharding(tp_plan: Mapping[str, Any] | None) -> str:
+    """How the plan leaves the KV heads on each rank.
+
+    ``"sharded"``: a key projection is planned ``colwise``, each rank holds ``heads / tp_size``.
+    ``"full"``: no key projection is sharded by head (no plan, attention not in the plan, or only
+    styles whose output is replicated), each rank holds every head.
+    ``"unknown"``: a key projection uses a style this patch does not know; not guessed.
+    """
+    styles = key_projection_styles(tp_plan)
+    unknown = sorted({s for s in styles.values() if s not in HEAD_SHARDING_STYLES | FULL_HEADS_STYLES})
+    if unknown:
+        _warn_unknown_styles(unknown, styles)
+        return "unknown"
+    if any(s in HEAD_SHARDING_STYLES for s in styles.values()):
+        return "sharded"
+    return "full"
+
+
+def _warn_unknown_styles(unknown: list[str], styles: Mapping[str, str]) -> None:
+    with _warned_lock:
+        new = [s for s in unknown if s not in _warned_styles]
+        _warned_styles.update(new)
+    for style in new:
+        keys = ", ".join(sorted(k for k, v in styles.items() if v == style))
+        logger.warning(
+            "attn-overlay %s: tensor parallel style %r on the key projection (%s) is not known to this "
+            "patch; the static cache keeps transformers' own shape (KV heads divided by tp_size)",
+            PATCH_ID,
+            style,
+            keys,
+        )
+
+
+class _WithFullHeads:
+    """Stands in for the model while the release's own function computes the cache shape.
+
+    It reports no tensor parallelism (``_tp_size`` is ``None``) and forwards every other attribute
+    to the model, so the original code runs unchanged and sizes the cache with every head.
+    """
+
+    __slots__ = ("_model",)
+    _tp_size = None
+
+    def __init__(self, model: Any) -> None:
+        object.__setattr__(self, "_model", model)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_model"), name)
+
+
+def _effective_tp_plan(model: Any) -> Mapping[str, Any]:
+    # `tp_plan` is the plan the model was sharded with: the config's `base_model_tp_plan`, the
+    # children's and class plans, or the user's override; in 5.13-5.18 the expert-parallel plan
+    # when expert parallelism is on. The same property upstream's fix (5.20.0) reads.
+    plan = getattr(model, "tp_plan", None)
+    return plan if plan is not None else {}
+
+
+def make_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
+    @wraps(original)
+    def _get_static_cache_init_shape(self):
+        tp_size = getattr(self, "_tp_size", None) or 1
+        if tp_size > 1 and kv_heads_sharding(_effective_tp_plan(self)) == "full":
+            return original(_WithFullHeads(self))
+        # Sharded by head: the original divides (each layer's count; None when uneven), which is
+        # right. Unknown style: the original's behaviour, unguessed.
+        return original(self)
+
+    return _get_static_cache_init_shape
+
+
+PATCH = Patch(
+    id=PATCH_ID,
+    title="Static cache under tensor parallelism divides KV heads by tp_size only when k_proj is sharded colwise",
+    errors=(
+        "RuntimeError: index_copy_(): Source/destination tensor must have same slice shapes.",
+        "ValueError: Incompatible shapes for broadcasting",
+    ),
+    why=(
+        "With prefill_chunk_size, generate() eagerly allocates the static cache with the KV heads "
+        "divided by tp_size whatever the tensor parallel plan says. Plans that leave attention "
+        "unsharded, or gather the key projection's output (colwise_gather_output, the shipped plan "
+        "of OLMo2/OLMo3, OLMoE, FlexOlmo, MiniMax-M2), give every rank all the heads, so the cache "
+        "holds too few and the first cache write fails."
+    ),
+    upstream="fixed in transformers 5.20.0 (distributed.tensor_parallel.get_kv_heads_per_rank)",
+    affected=">=5.13.0,<5.20.0",
+    fixed_in="5.20.0",
+    targets=(
+        Target(
+            module="transformers.generation.utils",
+            qualname="GenerationMixin._get_static_cache_init_shape",
+            originals={
+                "e16a197f8cf9c49d0bfe801006374b4746e8cd46e7fd83ce6167fc3ba9e70a5a": "5.13.0-5.17.0",
+                "8c3b2a0d2b880fe84ad06bca8159bc6eedc3a0c0407dc46f7d927f13b52ade18": "5.18.0",
+                "047200716efdb3d06748c4426a6b3a3b8e8e52bf2fb04d8142c3b7acfdd5f73e": "5.19.0",
+            },
+            fixed={
+                "8ba958316e420772e268d02be4e80070649299499b239395a40b8a16c60bdeff": "5.20.0-5.22.2",
+                "ee152e79e1894fd21a8b0dec9d25f9c8b45c609219a86da6c6c9e9596805cafc": "5.23.0-5.24.0",
+            },
+            replace=make_replacement,
+        ),
+    ),
+)

@@ -1,0 +1,136 @@
+"""One rank of the CPU tensor-parallel check for the ``static-cache-tp-heads`` patch.
+
+Run by ``tests/test_patch_static_cache_tp_heads.py`` as two processes (ranks 0 and 1) that share a
+gloo process group through a store file. For every case in the spec it loads a tiny model saved
+with ``save_pretrained`` under tensor parallelism (``DistributedConfig(tp_size=world_size)`` with
+the case's plan put in the config's ``base_model_tp_plan``) and runs three greedy generations with
+a static cache:
+
+- ``unchunked``: no ``prefill_chunk_size`` (the cache is allocated lazily, from the real keys);
+- ``chunked_stock``: ``prefill_chunk_size`` smaller than the prompt, stock transformers;
+- ``chunked_patched``: the same with the patch applied by this process.
+
+It writes one JSON file per rank: the generated ids or the error of each run. The parent test
+makes the assertions. One process runs every case, because each process pays for importing
+torch and transformers.
+
+Usage: python _tp_worker.py RANK WORLD_SIZE STORE_FILE SPEC_JSON OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+# A rank that hangs in a collective fails after this long instead of waiting forever.
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _generate(model, torch, case: dict, chunked: bool) -> dict:
+    # 5.13-5.17 keep the static cache on the model between generate() calls; a cache left by a
+    # previous run (possibly allocated with the wrong head count) must not leak into this one.
+    if "_cache" in vars(model):
+        del model._cache
+    input_ids = torch.tensor(case["prompt"], dtype=torch.long)
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=case["max_new_tokens"],
+        do_sample=False,
+        cache_implementation="static",
+        disable_compile=True,
+        pad_token_id=0,
+    )
+    if chunked:
+        kwargs["prefill_chunk_size"] = case["prefill_chunk_size"]
+    try:
+        with torch.no_grad():
+            out = model.generate(**kwargs)
+    except Exception as exc:  # the stock run is expected to fail on affected releases
+        return {"error": {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}}
+    return {"ids": out.tolist()}
+
+
+def _local_rows(model, name: str) -> int:
+    weight = model.get_submodule(f"model.layers.0.{name}").weight
+    return int((weight.to_local() if hasattr(weight, "to_local") else weight).shape[0])
+
+
+def run_case(case: dict, world_size: int, torch, transformers) -> dict:
+    from _tp_patching import static_cache_tp_heads_applied
+
+    config = transformers.AutoConfig.from_pretrained(case["model_dir"])
+    if case["plan"] is not None:
+        # `base_model_tp_plan` is not saved by `save_pretrained`; the plan travels in the config
+        # handed to `from_pretrained`, which builds the model's plan from it.
+        config.base_model_tp_plan = dict(case["plan"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        case["model_dir"],
+        config=config,
+        dtype=torch.float32,
+        distributed_config=transformers.distributed.DistributedConfig(tp_size=world_size),
+    )
+    model.eval()
+    result = {
+        "name": case["name"],
+        "tp_size": model._tp_size,
+        "effective_tp_plan": dict(model.tp_plan),
+        # Rows of layer 0's weights held by this rank: shows what the plan really sharded.
+        "local_rows": {name: _local_rows(model, name) for name in ("self_attn.k_proj", "mlp.gate_proj")},
+        "runs": {},
+    }
+    result["runs"]["unchunked"] = _generate(model, torch, case, chunked=False)
+    result["runs"]["chunked_stock"] = _generate(model, torch, case, chunked=True)
+    with static_cache_tp_heads_applied() as patch_status:
+        result["patch_status"] = patch_status
+        result["runs"]["chunked_patched"] = _generate(model, torch, case, chunked=True)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    process_started = time.perf_counter()
+    rank, world_size, store_file, spec_path, out_path = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
+    # transformers reads these when it sets up the device mesh.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import transformers
+    import transformers.distributed
+
+    import_seconds = time.perf_counter() - process_started
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    results: dict = {"rank": rank, "transformers": transformers.__version__, "cases": []}
+    results["import_seconds"] = round(import_seconds, 2)
+    started = time.perf_counter()
+    # A file store instead of a TCP port: nothing to pick, nothing another run can take.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        for case in spec["cases"]:
+            results["cases"].append(run_case(case, world_size, torch, transformers))
+            results["cases"][-1]["seconds_since_start"] = round(time.perf_counter() - started, 2)
+    except Exception:
+        results["fatal"] = traceback.format_exc()
+    finally:
+        dist.destroy_process_group()
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(results, f)
+    return 1 if "fatal" in results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,458 @@
+"""static-cache-tp-heads: the static cache's KV heads under tensor parallelism.
+
+Two layers of evidence:
+
+- in-process: the replacement, built around the installed release's own function, on a stand-in
+  model that carries a config, a ``_tp_size`` and a plan (every style, per-layer heads, uneven
+  heads, unknown styles);
+- two real ranks on CPU (``torch.distributed`` with gloo, see ``_tp_worker.py``): tiny models saved
+  with ``save_pretrained`` and loaded with tensor parallelism, once per plan, generating with a
+  static cache and ``prefill_chunk_size`` smaller than the prompt. On an affected release the
+  stock run fails with the real error wherever attention keeps every head; with the patch every
+  plan generates the same ids as the unchunked run and as a single process.
+
+On releases fixed upstream (5.20.0+) the stock runs pass and the patch reports "fixed upstream".
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+if str(TESTS_DIR) not in sys.path:  # the helpers shared with the rank processes
+    sys.path.insert(0, str(TESTS_DIR))
+
+from _tp_patching import load_patch_module, static_cache_tp_heads_applied  # noqa: E402
+
+from overlay.patch import PATCH_MARKER, fingerprint  # noqa: E402
+
+PATCH_MODULE = load_patch_module()
+PATCH = PATCH_MODULE.PATCH
+TARGET = PATCH.targets[0]
+
+TRANSFORMERS_VERSION = Version(importlib.metadata.version("transformers"))
+AFFECTED = SpecifierSet(PATCH.affected).contains(TRANSFORMERS_VERSION, prereleases=True)
+FIXED_UPSTREAM = Version(TRANSFORMERS_VERSION.base_version) >= Version(PATCH.fixed_in)
+
+INDEX_COPY_ERROR = "index_copy_(): Source/destination tensor must have same slice shapes"
+# The variant of 5.13.0-5.17.0 sizes the cache from the global head count only.
+SCALAR_HEADS_VARIANT = "5.13.0-5.17.0"
+
+WORLD_SIZE = 2
+# Generous for two rank processes importing torch and transformers on a busy 2-core machine;
+# the run takes well under a minute. A hung rank is killed and the test fails with its log.
+WORKER_TIMEOUT_S = 300
+
+ATTENTION_COLWISE = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
+ATTENTION_GATHERED = {
+    "layers.*.self_attn.q_proj": "colwise_gather_output",
+    "layers.*.self_attn.k_proj": "colwise_gather_output",
+    "layers.*.self_attn.v_proj": "colwise_gather_output",
+    "layers.*.self_attn.o_proj": "rowwise_split_input",
+}
+MLP = {
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def stock_static_cache_init_shape():
+    """The installed release's own function, even if the overlay patched this process already."""
+    from transformers.generation.utils import GenerationMixin
+
+    func = vars(GenerationMixin)["_get_static_cache_init_shape"]
+    while getattr(func, PATCH_MARKER, None) is not None:
+        func = func.__wrapped__
+    return func
+
+
+def stock_variant() -> str | None:
+    digest = fingerprint(stock_static_cache_init_shape())
+    return TARGET.originals.get(digest) or TARGET.fixed.get(digest)
+
+
+# -- the installed release -------------------------------------------------------------------
+
+
+def test_installed_release_is_one_the_patch_knows():
+    assert AFFECTED or FIXED_UPSTREAM, f"these tests need transformers >= 5.13.0, found {TRANSFORMERS_VERSION}"
+    digest = fingerprint(stock_static_cache_init_shape())
+    if AFFECTED:
+        assert digest in TARGET.originals, f"transformers {TRANSFORMERS_VERSION}: unknown original {digest}"
+    else:
+        assert digest in TARGET.fixed, f"transformers {TRANSFORMERS_VERSION}: unknown fixed code {digest}"
+
+
+def test_engine_applies_on_affected_releases_and_reports_fixed_upstream_after():
+    from transformers.generation.utils import GenerationMixin
+
+    before = vars(GenerationMixin)["_get_static_cache_init_shape"]
+    with static_cache_tp_heads_applied() as status:
+        current = vars(GenerationMixin)["_get_static_cache_init_shape"]
+        if AFFECTED:
+            assert status["state"] == "applied", status
+            assert getattr(current, PATCH_MARKER, None) == PATCH.id
+            assert status["variants"] == [stock_variant()]
+        else:
+            assert status["state"] == "fixed upstream", status
+            assert getattr(current, PATCH_MARKER, None) is None
+    assert vars(GenerationMixin)["_get_static_cache_init_shape"] is before
+
+
+def test_replacement_keeps_name_docstring_and_signature():
+    stock = stock_static_cache_init_shape()
+    replacement = TARGET.replace(stock)
+    assert replacement.__wrapped__ is stock
+    assert replacement.__name__ == stock.__name__
+    assert replacement.__doc__ == stock.__doc__
+    assert inspect.signature(replacement) == inspect.signature(stock)
+
+
+# -- the plan logic, in process ----------------------------------------------------------------
+
+
+class ShardedModelStandIn:
+    """What ``_get_static_cache_init_shape`` reads from a model loaded with tensor parallelism."""
+
+    def __init__(self, config, tp_size, tp_plan, hf_device_map=None):
+        self.config = config
+        self._tp_size = tp_size
+        self.tp_plan = tp_plan
+        if hf_device_map is not None:
+            self.hf_device_map = hf_device_map
+
+
+def tiny_text_config(num_key_value_heads=4, per_layer_kv_heads=None, **extra):
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=8,
+    )
+    if per_layer_kv_heads is not None:
+        kwargs["per_layer_config"] = {i: {"num_key_value_heads": h} for i, h in enumerate(per_layer_kv_heads)}
+    config = LlamaConfig(**kwargs)
+    for name, value in extra.items():
+        setattr(config, name, value)
+    return config
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Each test sees the once-per-style warning for the first time."""
+    monkeypatch.setattr(PATCH_MODULE, "_warned_styles", set())
+
+
+# (plan, KV heads, tp_size, expected (heads, head_dim) or None for lazy initialisation)
+PLAN_CASES = {
+    "k_proj colwise": ({**ATTENTION_COLWISE, **MLP}, 4, 2, (2, 8)),
+    "k_proj colwise, tp_size 4": ({**ATTENTION_COLWISE, **MLP}, 4, 4, (1, 8)),
+    "fused qkv_proj colwise": ({"layers.*.self_attn.qkv_proj": "colwise"}, 4, 2, (2, 8)),
+    "fused query_key_value colwise": ({"layers.*.attention.query_key_value": "colwise"}, 4, 2, (2, 8)),
+    "k_proj colwise under a prefix": ({"model.language_model.layers.*.self_attn.k_proj": "colwise"}, 4, 2, (2, 8)),
+    "k_proj colwise, uneven heads": ({**ATTENTION_COLWISE, **MLP}, 3, 2, None),
+    "k_proj colwise_gather_output": ({**ATTENTION_GATHERED, **MLP}, 4, 2, (4, 8)),
+    "k_proj colwise_gather_output, uneven heads": ({**ATTENTION_GATHERED, **MLP}, 3, 2, (3, 8)),
+    "fused qkv_proj colwise_gather_output": ({"layers.*.self_attn.qkv_proj": "colwise_gather_output"}, 4, 2, (4, 8)),
+    "k_proj colwise_rep": ({"layers.*.self_attn.k_proj": "colwise_rep"}, 4, 2, (4, 8)),
+    "attention not in the plan": (dict(MLP), 4, 2, (4, 8)),
+    "expert styles off attention": (
+        {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts": "moe_tp_experts"},
+        4,
+        2,
+        (4, 8),
+    ),
+    "only lm_head": ({"lm_head": "colwise_gather_output"}, 4, 2, (4, 8)),
+    "empty plan": ({}, 4, 2, (4, 8)),
+    "no tensor parallelism": ({**ATTENTION_COLWISE, **MLP}, 4, None, (4, 8)),
+    "tp_size 1": ({**ATTENTION_COLWISE, **MLP}, 4, 1, (4, 8)),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAN_CASES))
+def test_patched_shape_follows_the_plan(case, fresh_warnings, caplog):
+    plan, kv_heads, tp_size, expected = PLAN_CASES[case]
+    model = ShardedModelStandIn(tiny_text_config(kv_heads), tp_size, plan)
+    with caplog.at_level(logging.WARNING, logger="overlay"):
+        assert TARGET.replace(stock_static_cache_init_shape())(model) == expected
+    assert not caplog.records, "known styles must not warn"
+
+
+@pytest.mark.parametrize("case", list(PLAN_CASES))
+def test_stock_shape_shows_the_bug_or_the_upstream_fix(case):
+    """Stock code on the same stand-ins: affected releases divide whatever the plan (the bug);
+    releases fixed upstream agree with the patch on every plan."""
+    plan, kv_heads, tp_size, expected = PLAN_CASES[case]
+    model = ShardedModelStandIn(tiny_text_config(kv_heads), tp_size, plan)
+    stock = stock_static_cache_init_shape()(model)
+    if FIXED_UPSTREAM:
+        assert stock == expected
+    elif (tp_size or 1) > 1:
+        assert stock == (None if kv_heads % tp_size else (kv_heads // tp_size, 8))
+    else:
+        assert stock == expected
+
+
+PER_LAYER_CASES = {
+    "k_proj colwise: each layer divided": ({**ATTENTION_COLWISE, **MLP}, [4, 2], ([2, 1], 8)),
+    "k_proj colwise, a layer uneven: lazy": ({**ATTENTION_COLWISE, **MLP}, [4, 3], None),
+    "k_proj gathered: every layer whole": ({**ATTENTION_GATHERED, **MLP}, [4, 2], ([4, 2], 8)),
+    "k_proj gathered, a layer uneven: still whole": ({**ATTENTION_GATHERED, **MLP}, [4, 3], ([4, 3], 8)),
+    "attention not in the plan": (dict(MLP), [4, 2], ([4, 2], 8)),
+}
+
+
+@pytest.mark.parametrize("case", list(PER_LAYER_CASES))
+def test_per_layer_head_counts(case):
+    if stock_variant() == SCALAR_HEADS_VARIANT:
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} sizes the static cache from one global head count")
+    plan, layer_heads, expected = PER_LAYER_CASES[case]
+    model = ShardedModelStandIn(tiny_text_config(per_layer_kv_heads=layer_heads), 2, plan)
+    assert TARGET.replace(stock_static_cache_init_shape())(model) == expected
+
+
+def test_other_checks_of_the_release_still_apply():
+    replacement = TARGET.replace(stock_static_cache_init_shape())
+    # Layers spread over several devices: no eager initialisation, whatever the plan.
+    spread = ShardedModelStandIn(tiny_text_config(), 2, dict(MLP), hf_device_map={"model.layers.0": 0, "lm_head": 1})
+    assert replacement(spread) is None
+    # MLA models (distinct key and value sizes): no eager initialisation either.
+    mla = ShardedModelStandIn(tiny_text_config(qk_head_dim=16), 2, dict(MLP))
+    assert replacement(mla) is None
+
+
+def test_unknown_style_keeps_transformers_behaviour_and_warns_once(fresh_warnings, caplog):
+    replacement = TARGET.replace(stock_static_cache_init_shape())
+    stock = stock_static_cache_init_shape()
+    packed = ShardedModelStandIn(tiny_text_config(), 2, {"layers.*.self_attn.k_proj": "packed_colwise", **MLP})
+    units = ShardedModelStandIn(tiny_text_config(), 2, {"layers.*.self_attn.k_proj": "unit_colwise"})
+    with caplog.at_level(logging.WARNING, logger="overlay"):
+        assert replacement(packed) == stock(packed)
+        assert replacement(packed) == stock(packed)
+        assert replacement(units) == stock(units)
+        assert replacement(units) == stock(units)
+    messages = [r.getMessage() for r in caplog.records if r.name == "overlay"]
+    assert len(messages) == 2, messages
+    assert "'packed_colwise'" in messages[0] and "layers.*.self_attn.k_proj" in messages[0]
+    assert "'unit_colwise'" in messages[1]
+    if AFFECTED:
+        # "transformers' behaviour" on an affected release is the division by tp_size.
+        assert replacement(packed) == (2, 8)
+
+
+# -- two ranks on CPU ---------------------------------------------------------------------------
+
+PROMPT = [[5, 17, 33, 9, 101, 64, 2], [7, 7, 90, 45, 3, 12, 88]]
+PREFILL_CHUNK_SIZE = 3  # smaller than the prompt: chunks of 3, 3 and 1 tokens
+MAX_NEW_TOKENS = 5
+
+# plan name -> (model, plan put in the config; None keeps the model's own)
+TP_PLANS = {
+    "olmo2 own plan (k_proj colwise_gather_output)": ("olmo2", None),
+    "attention unsharded (MLP-only plan)": ("llama", dict(MLP)),
+    "k_proj colwise_gather_output": ("llama", {**ATTENTION_GATHERED, **MLP}),
+    "k_proj colwise": ("llama", {**ATTENTION_COLWISE, **MLP}),
+    "no plan": ("llama", {}),
+}
+# Plans where every rank computes all KV heads: the stock eager cache is too small for them.
+FULL_HEAD_PLANS = {name for name in TP_PLANS if name != "k_proj colwise"}
+# Rows of layer 0's k_proj / gate_proj weight each rank holds (16 / 64 unsharded): proof that the
+# ranks really ran the plan under test.
+EXPECTED_LOCAL_ROWS = {
+    "olmo2 own plan (k_proj colwise_gather_output)": {"self_attn.k_proj": 8, "mlp.gate_proj": 32},
+    "attention unsharded (MLP-only plan)": {"self_attn.k_proj": 16, "mlp.gate_proj": 32},
+    "k_proj colwise_gather_output": {"self_attn.k_proj": 8, "mlp.gate_proj": 32},
+    "k_proj colwise": {"self_attn.k_proj": 8, "mlp.gate_proj": 32},
+    "no plan": {"self_attn.k_proj": 16, "mlp.gate_proj": 64},
+}
+
+
+def build_tiny_models(directory: Path) -> dict[str, Path]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM
+
+    shape = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        # Wide weights give well-separated logits, so greedy picks do not hinge on the last bit
+        # of a sum that tensor parallelism adds up in another order.
+        initializer_range=0.5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+    )
+    paths = {}
+    for name, config_cls, model_cls in (
+        ("llama", LlamaConfig, LlamaForCausalLM),
+        ("olmo2", Olmo2Config, Olmo2ForCausalLM),
+    ):
+        torch.manual_seed(0)
+        paths[name] = directory / name
+        model_cls(config_cls(**shape)).save_pretrained(paths[name])
+    return paths
+
+
+def single_process_ids(model_dir: Path) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    input_ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            cache_implementation="static",
+            disable_compile=True,
+            pad_token_id=0,
+        )
+    return out.tolist()
+
+
+def worker_environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(
+        # Stock transformers in the ranks; the worker applies the patch itself where it should.
+        ATTN_OVERLAY="0",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+    )
+    return env
+
+
+def run_ranks(workdir: Path, spec: dict) -> list[dict]:
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec), encoding="utf-8")
+    store = workdir / "process_group_store"  # gloo rendezvous through a file: no port to pick
+    procs, logs = [], []
+    for rank in range(WORLD_SIZE):
+        log = open(workdir / f"rank{rank}.log", "wb")
+        logs.append(log)
+        cmd = [sys.executable, str(TESTS_DIR / "_tp_worker.py"), str(rank), str(WORLD_SIZE), str(store),
+               str(spec_path), str(workdir / f"rank{rank}.json")]
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_environment()))
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        timed_out = [p for p in procs if p.poll() is None]
+        for proc in timed_out:
+            proc.kill()
+            proc.wait()
+        for log in logs:
+            log.close()
+
+    def tail(rank: int) -> str:
+        return (workdir / f"rank{rank}.log").read_text(errors="replace")[-4000:]
+
+    if timed_out:
+        logs_text = "\n".join(tail(rank) for rank in range(WORLD_SIZE))
+        pytest.fail(f"rank processes did not finish within {WORKER_TIMEOUT_S}s\n{logs_text}")
+    results = []
+    for rank, proc in enumerate(procs):
+        out = workdir / f"rank{rank}.json"
+        if proc.returncode != 0 or not out.exists():
+            pytest.fail(f"rank {rank} exited {proc.returncode}\n{tail(rank)}")
+        results.append(json.loads(out.read_text(encoding="utf-8")))
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """Both ranks' results for every plan, and each model's single-process ids (one launch)."""
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.fail("loading with tensor parallelism needs `accelerate` (transformers asks for it); install it")
+    workdir = tmp_path_factory.mktemp("static_cache_tp_heads")
+    model_dirs = build_tiny_models(workdir)
+    spec = {
+        "cases": [
+            {
+                "name": name,
+                "model_dir": str(model_dirs[model]),
+                "plan": plan,
+                "prompt": PROMPT,
+                "prefill_chunk_size": PREFILL_CHUNK_SIZE,
+                "max_new_tokens": MAX_NEW_TOKENS,
+            }
+            for name, (model, plan) in TP_PLANS.items()
+        ]
+    }
+    ranks = run_ranks(workdir, spec)
+    reference = {model: single_process_ids(path) for model, path in model_dirs.items()}
+    return {"ranks": ranks, "reference": reference}
+
+
+def outcome(run: dict):
+    """What a run produced, comparable across ranks: ids, or (error type, message)."""
+    if "ids" in run:
+        return run["ids"]
+    return (run["error"]["type"], run["error"]["message"])
+
+
+@pytest.mark.parametrize("plan_name", list(TP_PLANS))
+def test_chunked_static_generation_under_tensor_parallelism(plan_name, tp_run):
+    model, _ = TP_PLANS[plan_name]
+    per_rank = [next(c for c in rank["cases"] if c["name"] == plan_name) for rank in tp_run["ranks"]]
+    for case in per_rank:
+        assert case["tp_size"] == WORLD_SIZE
+        assert case["local_rows"] == EXPECTED_LOCAL_ROWS[plan_name], case["effective_tp_plan"]
+    first, second = per_rank
+    for run in ("unchunked", "chunked_stock", "chunked_patched"):
+        assert outcome(first["runs"][run]) == outcome(second["runs"][run]), f"ranks disagree on {run}"
+    runs = first["runs"]
+
+    # The control: lazily allocated static cache, the same ids as one process without parallelism.
+    assert outcome(runs["unchunked"]) == tp_run["reference"][model]
+
+    stock = runs["chunked_stock"]
+    if AFFECTED and plan_name in FULL_HEAD_PLANS:
+        assert "error" in stock, f"expected the stock chunked run to fail on {TRANSFORMERS_VERSION}"
+        assert stock["error"]["type"] == "RuntimeError"
+        assert INDEX_COPY_ERROR in stock["error"]["message"]
+    else:
+        assert "ids" in stock, stock.get("error", {}).get("traceback")
+        assert stock["ids"] == runs["unchunked"]["ids"]
+
+    status = first["patch_status"]
+    assert status["state"] == ("applied" if AFFECTED else "fixed upstream"), status
+    patched = runs["chunked_patched"]
+    assert "ids" in patched, patched.get("error", {}).get("traceback")
+    assert patched["ids"] == runs["unchunked"]["ids"] == tp_run["reference"][model]
