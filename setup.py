@@ -55,7 +55,10 @@ setup(
         "torch>=2.4",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "nox", "accelerate"],
+        "test": ["pytest>=8", "hypothesis>=6", "nox", "accelerate", "ninja"],
+        # overlay.testing's fake device compiles a small C++ backend with torch's extension
+        # builder, which needs ninja; without it the slower pure-Python backend is used.
+        "testing": ["ninja"],
         "bench": ["matplotlib"],
         # Multi-device / tensor-parallel users: accelerate. Neuron (trn2) users also need
         # torch-neuronx, which is published on AWS's own package index, not here: install it
