@@ -42,7 +42,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["overlay", "overlay.patches", "overlay.testing"],
+    packages=["overlay", "overlay.patches", "overlay.testing", "overlay.doctor"],
     package_dir={"overlay": "overlay", "overlay.patches": "patches"},
     package_data={"overlay.testing": ["*.cpp"]},
     py_modules=["_attn_overlay_startup"],

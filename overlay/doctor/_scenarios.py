@@ -1,0 +1,368 @@
+"""The doctor's scenarios: what each one runs, and the code that runs it in a scenario subprocess.
+
+A scenario is a handful of *cases*. A case is one ``generate()`` under test and the run it must
+reproduce token for token (its *reference*), in the same process: the same model, the same
+prompt, with the one thing the bug needs taken away (inputs already on the device; a cache
+built in the compute dtype; no chunked prefill). A case passes when the run under test finishes
+and its tokens equal the reference's. Control cases are the ones upstream gets right: they must
+pass with and without the overlay.
+
+The catalogue (:data:`SCENARIOS`) is plain data, imported by the parent without torch; the
+``run_*`` functions import torch and transformers when called, in the scenario subprocess.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+MAX_NEW_TOKENS = 5
+PROMPT_LENGTHS = (6, 4)  # a left-padded batch of two
+
+
+@dataclass(frozen=True)
+class Scenario:
+    id: str
+    title: str
+    patches: tuple[str, ...]  # the overlay patches that fix what it exercises
+    distributed: bool = False  # needs torchrun with world size > 1
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "host-inputs-static",
+        "host-side padded inputs, cache_implementation='static', model on the device",
+        ("device-move-nested",),
+    ),
+    Scenario(
+        "cache-dtype-static",
+        "user StaticCache early-initialised in float32, bfloat16 model",
+        ("kv-cache-dtype",),
+    ),
+    Scenario(
+        "cache-dtype-prefix",
+        "DynamicCache prefix computed in float32, bfloat16 decoding",
+        ("kv-cache-dtype", "attention-guard"),
+    ),
+    Scenario(
+        "tp-prefill-chunk",
+        "tensor parallel, static cache, prefill_chunk_size, attention left unsharded",
+        ("static-cache-tp-heads",),
+        distributed=True,
+    ),
+)
+
+BY_ID = {s.id: s for s in SCENARIOS}
+
+
+# -- helpers for the scenario subprocess ------------------------------------------------------
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def where(exc: BaseException) -> str | None:
+    """The innermost Python frame the exception came through, as ``path:line in function``
+    (paths cut after ``site-packages/``)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return None
+    frame = frames[-1]
+    path = frame.filename
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    return f"{path}:{frame.lineno} in {frame.name}"
+
+
+def run_case(name: str, control: bool, reference: Callable[[], list], under_test: Callable[[], list]) -> dict:
+    """Runs the reference, then the run under test; a record of what happened (never raises)."""
+    record: dict[str, Any] = {"name": name, "control": control, "ok": False, "error": None}
+    try:
+        record["reference_tokens"] = reference()
+    except Exception as exc:
+        record.update(error="the reference run failed: " + one_line(exc), error_type=type(exc).__name__, where=where(exc))
+        record["traceback"] = traceback.format_exc(limit=-8)
+        return record
+    try:
+        record["tokens"] = under_test()
+    except Exception as exc:
+        record.update(error=one_line(exc), error_type=type(exc).__name__, where=where(exc))
+        record["traceback"] = traceback.format_exc(limit=-8)
+        return record
+    record["identical"] = record["tokens"] == record["reference_tokens"]
+    record["ok"] = record["identical"]
+    if not record["identical"]:
+        record["error"] = "generated tokens differ from the reference run"
+    return record
+
+
+def _generate(model, inputs: dict, **kwargs) -> list:
+    import torch
+
+    # 5.13-5.17 keep a static cache on the model between generate() calls; each run starts clean.
+    vars(model).pop("_cache", None)
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            disable_compile=True,
+            pad_token_id=0,
+            **kwargs,
+        )
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    return sequences.cpu().tolist()
+
+
+def _on(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+# -- the scenarios -------------------------------------------------------------------------------
+
+
+def run_host_inputs_static(device, **_) -> list[dict]:
+    """Host-side left-padded inputs, static cache, model on ``device``; reference: the same
+    inputs moved to the device first. The fix: ``device-move-nested`` (upstream since 5.20.0)."""
+    from overlay.testing.models import left_padded_batch, tiny_model
+
+    batch = left_padded_batch(PROMPT_LENGTHS)
+    cases = []
+    for kind, cache, control in (
+        ("gemma3", "static", False),
+        ("qwen3", "static", False),
+        ("llama", "static", True),  # no layer_types: one top-level mask tensor, moved upstream
+        ("gemma3", "dynamic", True),  # the mask is built inside the model, on its device
+    ):
+        model = tiny_model(kind, device=device)
+        kwargs = {"cache_implementation": cache} if cache == "static" else {}
+        cases.append(
+            run_case(
+                f"{kind}, {cache} cache" + (" (control)" if control else ""),
+                control,
+                reference=lambda: _generate(model, _on(batch, device), **kwargs),
+                under_test=lambda: _generate(model, batch, **kwargs),
+            )
+        )
+    return cases
+
+
+def run_cache_dtype_static(device, **_) -> list[dict]:
+    """A user-built ``StaticCache`` early-initialised in float32, passed to a bfloat16 model;
+    reference: the same cache built in bfloat16. The fix: ``kv-cache-dtype`` (no release)."""
+    import torch
+    from transformers import StaticCache
+
+    from overlay.testing.models import cache_argument_name, left_padded_batch, tiny_model
+
+    batch = _on(left_padded_batch(PROMPT_LENGTHS), device)
+    max_cache_len = batch["input_ids"].shape[1] + MAX_NEW_TOKENS
+    cases = []
+    for kind in ("llama", "qwen3", "gemma3"):
+        model = tiny_model(kind, dtype=torch.bfloat16, device=device)
+        config = model.config
+
+        def cache_in(dtype, model=model, config=config):
+            cache = StaticCache(config=config, max_cache_len=max_cache_len)
+            cache.early_initialization(
+                batch_size=batch["input_ids"].shape[0],
+                num_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                dtype=dtype,
+                device=model.device,
+            )
+            return {cache_argument_name(model): cache}
+
+        cases.append(
+            run_case(
+                f"{kind}, float32 StaticCache",
+                False,
+                reference=lambda model=model, cache_in=cache_in: _generate(model, batch, **cache_in(torch.bfloat16)),
+                under_test=lambda model=model, cache_in=cache_in: _generate(model, batch, **cache_in(torch.float32)),
+            )
+        )
+    return cases
+
+
+def run_cache_dtype_prefix(device, **_) -> list[dict]:
+    """A ``DynamicCache`` filled with a prompt prefix by a float32 copy of the model, then
+    bfloat16 decoding from it; reference: the same prefix cache cast to bfloat16 by hand. The
+    fix: ``kv-cache-dtype`` (no release)."""
+    import torch
+    from transformers import DynamicCache
+
+    from overlay.testing.models import cache_argument_name, tiny_model
+
+    generator = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 128, (2, 6), generator=generator).to(device)
+    suffix = torch.randint(3, 128, (2, 3), generator=generator).to(device)
+    prompt = torch.cat([prefix, suffix], dim=1)
+    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+    cases = []
+    for kind, attention in (("llama", "sdpa"), ("qwen3", "sdpa"), ("gemma3", "sdpa"), ("llama", "eager")):
+        model32 = tiny_model(kind, dtype=torch.float32, device=device, attn_implementation=attention)
+        model16 = copy.deepcopy(model32).to(torch.bfloat16)
+        name = cache_argument_name(model32)
+
+        def prefix_cache(model32=model32, name=name):
+            cache = DynamicCache(config=model32.config)
+            with torch.no_grad():
+                model32(input_ids=prefix, attention_mask=torch.ones_like(prefix), use_cache=True, **{name: cache})
+            return cache
+
+        def cast(cache, dtype):
+            for layer in cache.layers:
+                for attribute in ("keys", "values"):
+                    tensor = getattr(layer, attribute, None)
+                    if isinstance(tensor, torch.Tensor):
+                        setattr(layer, attribute, tensor.to(dtype))
+                if isinstance(getattr(layer, "dtype", None), torch.dtype):
+                    layer.dtype = dtype
+            return cache
+
+        cases.append(
+            run_case(
+                f"{kind} ({attention}), float32 prefix cache",
+                False,
+                reference=lambda model16=model16, name=name, prefix_cache=prefix_cache, cast=cast: _generate(
+                    model16, inputs, **{name: cast(prefix_cache(), torch.bfloat16)}
+                ),
+                under_test=lambda model16=model16, name=name, prefix_cache=prefix_cache: _generate(
+                    model16, inputs, **{name: prefix_cache()}
+                ),
+            )
+        )
+    return cases
+
+
+# Plans for a Llama-like model. Module keys as in transformers' own base_model_tp_plan.
+_MLP_PLAN = {
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+TP_PLANS: tuple[tuple[str, dict, bool], ...] = (
+    # (name, plan, control)
+    ("MLP-only plan (attention unsharded)", dict(_MLP_PLAN), False),
+    (
+        "q/k/v colwise_gather_output (OLMo2-style)",
+        {
+            "layers.*.self_attn.q_proj": "colwise_gather_output",
+            "layers.*.self_attn.k_proj": "colwise_gather_output",
+            "layers.*.self_attn.v_proj": "colwise_gather_output",
+            "layers.*.self_attn.o_proj": "rowwise_split_input",
+            **_MLP_PLAN,
+        },
+        False,
+    ),
+    (
+        "attention colwise (control: heads really sharded)",
+        {
+            "layers.*.self_attn.q_proj": "colwise",
+            "layers.*.self_attn.k_proj": "colwise",
+            "layers.*.self_attn.v_proj": "colwise",
+            "layers.*.self_attn.o_proj": "rowwise",
+            **_MLP_PLAN,
+        },
+        True,
+    ),
+)
+TP_PROMPT_LENGTH = 8
+TP_PREFILL_CHUNK = 3
+
+
+def _tp_model_dir(workdir: str) -> str:
+    import os
+
+    return os.path.join(workdir, "tiny-llama")
+
+
+def prepare_tp_prefill_chunk(*, workdir: str, world_size: int) -> None:
+    """Saves the tiny model each rank loads. Runs before the process group exists: under an
+    initialised group, save_pretrained writes on rank 0 only, and ranks do not share a folder."""
+    from overlay.testing.models import tiny_model
+
+    # Head counts that divide by the world size, so that the colwise control shards evenly.
+    heads = 2 * world_size
+    tiny_model(
+        "llama",
+        num_attention_heads=heads,
+        num_key_value_heads=world_size,
+        hidden_size=16 * heads,
+        intermediate_size=32 * world_size,
+    ).save_pretrained(_tp_model_dir(workdir))
+
+
+def run_tp_prefill_chunk(device, *, workdir: str, world_size: int, **_) -> list[dict]:
+    """Under tensor parallelism (this process is one rank; the process group is initialised by
+    the caller): the model of :func:`prepare_tp_prefill_chunk` loaded with each plan in
+    ``TP_PLANS``; ``generate(cache_implementation='static', prefill_chunk_size=3)`` on an
+    8-token prompt; reference: the same model without ``prefill_chunk_size``. The fix:
+    ``static-cache-tp-heads`` (upstream since 5.20.0)."""
+    import importlib
+    import inspect
+
+    import torch
+    import transformers
+
+    model_dir = _tp_model_dir(workdir)
+    try:  # 5.18+: DistributedConfig(tp_size=...); the tp_plan/tp_size arguments are deprecated there
+        config_class = importlib.import_module("transformers.distributed").DistributedConfig
+    except (ImportError, AttributeError):
+        config_class = None
+    use_distributed_config = config_class is not None and "tp_size" in inspect.signature(config_class).parameters
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 128, (1, TP_PROMPT_LENGTH), generator=generator)
+
+    cases = []
+    for name, plan, control in TP_PLANS:
+        def load(plan=plan):
+            config = transformers.AutoConfig.from_pretrained(model_dir)
+            # The plan travels in the config: save_pretrained does not keep base_model_tp_plan.
+            config.base_model_tp_plan = dict(plan)
+            if use_distributed_config:
+                parallel = {"distributed_config": config_class(tp_size=world_size)}
+            else:
+                parallel = {"tp_plan": "auto", "tp_size": world_size}
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, config=config, dtype=torch.float32, **parallel
+            )
+            return model.eval()
+
+        try:
+            model = load()
+        except Exception as exc:
+            cases.append({"name": name, "control": control, "ok": False, "error": "loading with this plan failed: " + one_line(exc), "where": where(exc)})
+            continue
+        inputs = {"input_ids": prompt.to(model.device), "attention_mask": torch.ones_like(prompt).to(model.device)}
+        cases.append(
+            run_case(
+                name,
+                control,
+                reference=lambda model=model: _generate(model, inputs, cache_implementation="static"),
+                under_test=lambda model=model: _generate(
+                    model, inputs, cache_implementation="static", prefill_chunk_size=TP_PREFILL_CHUNK
+                ),
+            )
+        )
+        del model
+    return cases
+
+
+#: Work a distributed scenario does in each rank before the process group is set up.
+PREPARERS: dict[str, Callable[..., None]] = {"tp-prefill-chunk": prepare_tp_prefill_chunk}
+
+RUNNERS: dict[str, Callable[..., list[dict]]] = {
+    "host-inputs-static": run_host_inputs_static,
+    "cache-dtype-static": run_cache_dtype_static,
+    "cache-dtype-prefix": run_cache_dtype_prefix,
+    "tp-prefill-chunk": run_tp_prefill_chunk,
+}
