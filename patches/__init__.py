@@ -8,5 +8,6 @@ PATCH_MODULES: tuple[str, ...] = (
     "device_move",
     "static_cache_tp_heads",
     "kv_cache_dtype",
+    "attention_guard",
     "executorch_cache_dtype",
 )

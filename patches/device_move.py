@@ -1,0 +1,143 @@
+"""Nested input tensors reach the model device: per-layer-type attention masks with host-side inputs.
+
+What breaks (transformers 5.13.0 - 5.19.0): ``GenerationMixin.prepare_inputs_for_generation``
+ends with step 6, "Move the tensors the forward consumes onto the model device", which moves
+only the *top-level* tensors of ``model_inputs`` to ``self.device``. With a compilable cache
+(``cache_implementation="static"``) the function builds the attention masks itself, and for a
+config with ``layer_types`` (Gemma 3, Qwen 3, ...) ``attention_mask`` is a dict keyed by layer
+type, built on the device of ``input_ids``. When the caller keeps its inputs on the host (a
+padded batch straight from the tokenizer) and the model sits on an accelerator, the dict's masks
+stay on the host and attention fails:
+
+    RuntimeError: Expected all tensors to be on the same device, but found at least two devices,
+    neuron:0 and cpu! (when checking argument for argument attn_mask in method
+    aten::scaled_dot_product_attention)
+
+Inputs already on the device, a dynamic cache (the mask is built later, inside the model, on the
+model's device) and a config without ``layer_types`` (Llama: one top-level mask tensor) all pass.
+5.20.0 fixed it upstream (``transformers.pytorch_utils.move_to_device``, recursive over dict,
+list and tuple).
+
+What the replacement does: it wraps the original (no copied code) and, after it returns, moves
+every tensor still off the device, at any depth, with :func:`overlay.tree_move.move_tree`
+(dicts and their subclasses, ``UserDict``, lists, tuples, namedtuples, flex attention
+``BlockMask``; ``Cache`` objects untouched; types kept; untouched objects kept by identity).
+
+When it moves -- exactly when 5.20.0's step 6 moves: when the model is not on the ``meta``
+device and the step's input tensor is on another device than ``self.device``. The input tensor
+is the one step 6 reads back from ``model_inputs``: ``inputs_embeds`` when the result holds
+them (a decoder-only model's first iteration with embeddings given), else ``input_ids`` (or
+``decoder_input_ids`` in encoder-decoder models); each is a slice or clone of the argument of the same name, on the
+argument's device. Every original (5.13-5.19) moves the top-level tensors under that same
+condition, so the wrapper reads it off the call instead of re-evaluating it: it notes the
+argument (before the call, since afterwards only the moved copy is in ``model_inputs``) and
+compares devices afterwards. The input tensor in the result is on another device than its
+argument exactly when step 6 moved it, and it then sits on ``self.device``, the target. This
+costs two dictionary lookups and a device comparison per step, where evaluating
+``self.device`` (a walk to the first parameter) would cost more than the rest of the wrapper
+and the mover's fast path together. As in 5.20.0: inputs already on the device -> nothing is
+walked or moved; host inputs -> every tensor of the result is on the device.
+
+Arguments are found by name through the original's signature (computed once at patch time), so
+the wrapper does not depend on the parameter list: 5.24.0 renamed ``past_key_values`` to
+``cache`` and the wrapper works unchanged there. Model classes that override
+``prepare_inputs_for_generation`` and call ``super()`` reach this wrapper through ``super()``
+and get the same treatment; what they add to the dict afterwards is theirs, as upstream.
+"""
+
+from __future__ import annotations
+
+from overlay.patch import Patch, Target, wraps
+
+MODULE = "transformers.generation.utils"
+QUALNAME = "GenerationMixin.prepare_inputs_for_generation"
+
+
+def _replace_prepare_inputs_for_generation(original):
+    import inspect
+
+    from overlay.tree_move import move_tree
+
+    # Position of each parameter among the call's positional arguments (``self`` excluded), or
+    # None when it can only be passed by keyword (or is absent and would land in **kwargs).
+    positional = [
+        p.name
+        for p in inspect.signature(original).parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ][1:]
+    input_ids_at = positional.index("input_ids") if "input_ids" in positional else None
+    inputs_embeds_at = positional.index("inputs_embeds") if "inputs_embeds" in positional else None
+
+    def argument(args, kwargs, name, at):
+        if at is not None and at < len(args):
+            return args[at]
+        return kwargs.get(name)
+
+    @wraps(original)
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        input_ids = argument(args, kwargs, "input_ids", input_ids_at)
+        inputs_embeds = argument(args, kwargs, "inputs_embeds", inputs_embeds_at)
+
+        model_inputs = original(self, *args, **kwargs)
+
+        if not isinstance(model_inputs, dict):
+            return model_inputs
+        prepared = model_inputs.get("inputs_embeds")
+        if prepared is not None:
+            given = inputs_embeds
+        else:
+            given = input_ids
+            # Step 1 stores the input_ids argument as decoder_input_ids in encoder-decoder models
+            # and as input_ids otherwise. Read from the result rather than from
+            # self.config.is_encoder_decoder, whose attribute lookup alone costs microseconds.
+            prepared = model_inputs.get("decoder_input_ids")
+            if prepared is None:
+                prepared = model_inputs.get("input_ids")
+        given_device = getattr(given, "device", None)
+        prepared_device = getattr(prepared, "device", None)
+        if given_device is not None and prepared_device is not None and prepared_device != given_device:
+            # Step 6 moved the top-level tensors to self.device; now the nested ones too.
+            model_inputs = move_tree(model_inputs, prepared_device)
+        return model_inputs
+
+    return prepare_inputs_for_generation
+
+
+PATCH = Patch(
+    id="device-move-nested",
+    title="Move nested input tensors (per-layer-type attention masks) onto the model device",
+    errors=(
+        "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
+        "(when checking argument for argument attn_mask in method aten::scaled_dot_product_attention)",
+        "Expected all tensors to be on the same device, but found at least two devices, neuron:0 and cpu!",
+        "attn_bias is on cpu, different from other tensors on cuda:0",
+    ),
+    why=(
+        "With a compilable (static) cache, prepare_inputs_for_generation builds the attention masks "
+        "itself, on the device of input_ids; for configs with layer_types (Gemma 3, Qwen 3, ...) they "
+        "come back as a dict keyed by layer type. Its final step moves only top-level tensors to the "
+        "model device, so host-side inputs leave the nested masks on the host and attention fails "
+        "with a device mismatch."
+    ),
+    upstream="fixed in transformers 5.20.0 (transformers.pytorch_utils.move_to_device in "
+    "GenerationMixin.prepare_inputs_for_generation)",
+    affected=">=5.13.0,<5.20.0",
+    fixed_in="5.20.0",
+    targets=(
+        Target(
+            module=MODULE,
+            qualname=QUALNAME,
+            originals={
+                "df7aec62297fdfff311ba29e065f2d9d8ad7f12a3a5133436a373fe07ceba2d6": "5.13.0-5.14.1",
+                "13748caf50e9683b50e8d665f876b9212abd6e0a7e10fb3aa6bc843dcd1f4c8f": "5.15.0-5.17.0",
+                "81541ac5a2c2035c8bf2bfac5854393a7edefc7c368b1fab22bd0b4afa535d84": "5.18.0-5.19.0",
+            },
+            fixed={
+                "4a63a45d2e0ee9086dadea767e1e7aaf727727c6932223b0fef0b1c83e2eb0bd": "5.20.0-5.22.2",
+                "378c9d0cf4aaec04abd2daa6ec0d851d0d7a3606dd575a633a83c5cecae507c4": "5.23.0",
+                "4043fda523a537c39fdf0d8508e91c09e955395e4d1c048a3e3ed2e40ab39e26": "5.24.0",
+            },
+            replace=_replace_prepare_inputs_for_generation,
+        ),
+    ),
+)
