@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any, Iterable, Iterator
 
 from . import config
-from .importhook import PostImportFinder, installed_finder
+from .importhook import PostImportFinder, startup_finder
 from .patch import PATCH_MARKER, Patch, Target, fingerprint
 
 logger = logging.getLogger("overlay")
@@ -329,7 +329,7 @@ def _apply_for_module(module: ModuleType, already_imported: bool = False) -> Non
         )
 
 
-def _activate(strict: bool | None, only: Iterable[str] | None, startup_finder: Any = None) -> None:
+def _activate(strict: bool | None, only: Iterable[str] | None, startup: Any = None) -> None:
     with _engine.lock:
         _engine.strict = config.strict_from_env() if strict is None else strict
         patches = _load_patches()
@@ -353,32 +353,32 @@ def _activate(strict: bool | None, only: Iterable[str] | None, startup_finder: A
             if record is None or record.status.state in (INACTIVE, DISABLED):
                 _engine.records[patch.id] = _initial_record(patch, _engine.version, disabled)
         _engine.active = True
-        finder = _ensure_finder(startup_finder)
+        finder = _ensure_finder(startup)
         for record in _engine.records.values():
             if record.status.state == PENDING:
                 finder.watch(record.patch.module, _on_module_executed)
         for name in sorted({r.patch.module for r in _engine.records.values() if r.status.state == PENDING}):
             module = sys.modules.get(name)
             if module is not None:
-                _apply_for_module(module, already_imported=startup_finder is None)
+                _apply_for_module(module, already_imported=startup is None)
 
 
-def _ensure_finder(startup_finder: Any) -> PostImportFinder:
+def _ensure_finder(startup: Any) -> PostImportFinder:
     if _engine.finder is None:
         _engine.finder = PostImportFinder()
-    existing = startup_finder or installed_finder()
-    if existing is None:
+    startup = startup or startup_finder()
+    if startup is not None:
+        startup.delegate = _engine.finder  # the startup finder forwards to us from now on
+    elif _engine.finder not in sys.meta_path:
         sys.meta_path.insert(0, _engine.finder)
-    elif existing is not _engine.finder:
-        existing.delegate = _engine.finder  # the startup finder forwards to us from now on
     return _engine.finder
 
 
-def activate_from_startup(startup_finder: Any) -> None:
+def activate_from_startup(startup: Any) -> None:
     """Called by the startup hook when ``transformers`` is first imported. Never raises
     (except in strict mode, which asked for it)."""
     try:
-        _activate(strict=None, only=None, startup_finder=startup_finder)
+        _activate(strict=None, only=None, startup=startup)
     except OverlayError:
         if config.strict_from_env():
             raise
@@ -489,10 +489,8 @@ def isolated(patches: Iterable[Patch], *, distribution: str = TRANSFORMERS) -> I
     fresh.distribution = distribution
     with previous.lock:
         _engine = fresh
-        previous_finder_delegate = None
-        startup = installed_finder()
-        if startup is not None and hasattr(startup, "delegate"):
-            previous_finder_delegate = startup.delegate
+        startup = startup_finder()
+        previous_finder_delegate = startup.delegate if startup is not None else None
     try:
         yield
     finally:
@@ -501,5 +499,5 @@ def isolated(patches: Iterable[Patch], *, distribution: str = TRANSFORMERS) -> I
             if fresh.finder is not None and fresh.finder in sys.meta_path:
                 sys.meta_path.remove(fresh.finder)
         _engine = previous
-        if startup is not None and hasattr(startup, "delegate"):
+        if startup is not None:
             startup.delegate = previous_finder_delegate

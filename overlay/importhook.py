@@ -105,3 +105,11 @@ def installed_finder():
         if getattr(finder, "_attn_overlay_finder", False):
             return finder
     return None
+
+
+def startup_finder():
+    """The startup hook's finder (it forwards to a ``delegate`` once activated), or ``None``."""
+    for finder in sys.meta_path:
+        if getattr(finder, "_attn_overlay_finder", False) and hasattr(finder, "delegate"):
+            return finder
+    return None

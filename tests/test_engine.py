@@ -311,3 +311,19 @@ def test_a_patch_spanning_two_modules_is_refused():
                 Target(module="b", qualname="g", originals={}, replace=lambda f: f),
             ),
         )
+
+
+def test_an_isolated_engine_hooks_imports_even_when_the_real_engine_is_active(toy):
+    # The real engine's finder is on sys.meta_path once anything called overlay.apply(); a second
+    # engine must still see its own modules being imported.
+    from overlay.importhook import PostImportFinder
+
+    other = PostImportFinder()
+    sys.meta_path.insert(0, other)
+    try:
+        with engine.isolated([toy_patch(toy)], distribution=toy.name):
+            engine.apply()
+            core = toy.import_core()
+            assert core.Mixin().compute(1) == 3
+    finally:
+        sys.meta_path.remove(other)
