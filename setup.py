@@ -55,7 +55,7 @@ setup(
         "torch>=2.4",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "nox", "accelerate", "ninja"],
+        "test": ["pytest>=8", "hypothesis>=6", "nox", "accelerate", "ninja", "matplotlib"],
         # overlay.testing's fake device compiles a small C++ backend with torch's extension
         # builder, which needs ninja; without it the slower pure-Python backend is used.
         "testing": ["ninja"],

@@ -1,0 +1,101 @@
+"""How the worker processes reach the overlay and the functions they compare (worker side only).
+
+The overlay is imported from this checkout. Installed (``pip install -e .`` or the wheel), the
+repo's ``patches/`` folder is importable as ``overlay.patches``; from a bare checkout on
+``PYTHONPATH`` (e.g. the lent GPU machine, where nothing is installed) it is not, so
+:func:`ensure_overlay_importable` maps it there the way ``setup.py``'s ``package_dir`` does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+from typing import Any
+
+from .common import REPO
+
+DEVICE_MOVE_MODULE = "device_move"
+DEVICE_MOVE_ID = "device-move-nested"
+
+
+def ensure_overlay_importable() -> str:
+    """Make ``overlay.patches`` importable; returns how the overlay was found (for the report)."""
+    import overlay
+
+    try:
+        importlib.import_module("overlay.patches")
+        return f"installed ({overlay.__file__})"
+    except ModuleNotFoundError:
+        pass
+    spec = importlib.util.spec_from_file_location(
+        "overlay.patches", REPO / "patches" / "__init__.py", submodule_search_locations=[str(REPO / "patches")]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["overlay.patches"] = module
+    spec.loader.exec_module(module)
+    overlay.patches = module
+    return f"source checkout ({REPO}; patches/ mapped to overlay.patches)"
+
+
+def quiet_overlay_logs() -> None:
+    """The engine warns when it patches modules that were imported before it was activated, which
+    every toggle in a benchmark does on purpose."""
+    logging.getLogger("overlay").setLevel(logging.ERROR)
+
+
+def registered_patch_ids() -> list[str]:
+    from overlay import engine
+
+    return [p.id for p in engine._load_patches()]
+
+
+def patch_files_on_disk() -> list[str]:
+    return sorted(p.stem for p in (REPO / "patches").glob("*.py") if not p.stem.startswith("_"))
+
+
+def unregistered_patch_modules() -> list[str]:
+    """Patch files in ``patches/`` that ``patches/__init__.py`` does not list (not shipped)."""
+    from overlay import patches
+
+    return [name for name in patch_files_on_disk() if name not in patches.PATCH_MODULES]
+
+
+def apply_all() -> dict[str, str]:
+    """``overlay.apply()`` (every registered patch); returns ``{patch id: state}``."""
+    import overlay
+
+    return {s.id: s.state for s in overlay.apply()}
+
+
+def revert_all() -> None:
+    import overlay
+
+    overlay.revert()
+
+
+def device_move_patch() -> Any:
+    return importlib.import_module(f"overlay.patches.{DEVICE_MOVE_MODULE}").PATCH
+
+
+def gate_device_move(stock: Any) -> tuple[bool, str]:
+    """Would the engine apply ``device-move-nested`` to ``stock`` on this transformers? The same
+    two checks: installed version in the patch's range, source fingerprint a known original."""
+    from importlib.metadata import version
+
+    from overlay.engine import APPLIED, PENDING, gate
+    from overlay.patch import fingerprint
+
+    patch = device_move_patch()
+    installed = version("transformers")
+    state, reason = gate(patch, installed)
+    if state != PENDING:
+        return False, f"{state}: {reason}"
+    target = patch.targets[0]
+    digest = fingerprint(stock)
+    if digest in target.fixed:
+        return False, f"fixed upstream: the installed function is the fixed code ({target.fixed[digest]})"
+    if digest not in target.originals:
+        return False, f"unrecognised code: sha256 {digest[:12]} is not a known original"
+    return True, f"{APPLIED} would be: matches {target.originals[digest]}"
