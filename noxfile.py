@@ -1,0 +1,122 @@
+"""Test sessions: the whole suite, and one lane per transformers release.
+
+    nox                     # what CI runs (tag "ci"): the suite on 5.18.0 + the representative lanes
+    nox -t matrix           # every release lane, 5.13.0 ... 5.24.0 (the full matrix)
+    nox -s tf-5.20.0        # one lane;  nox -s tf-5.20.0 -- -k device   passes pytest arguments
+    nox -s tests            # the whole suite on 5.18.0
+    nox -l                  # list the sessions
+
+A lane is a virtual environment with one transformers release, torch 2.13.0 (CPU) and this
+project (editable), where the patch reproductions and the matrix tests run: on an affected
+release every bug reproduces without the overlay and is fixed with it; on a fixed release the
+patch reports "fixed upstream" and changes nothing. Which release expects what comes from
+``scripts/matrix_data.py``, the same data as the README table.
+
+torch is installed once, into ``.nox/_shared/``, and every lane sees it through a path line in
+its site-packages: a lane costs transformers and a few small packages, not 800 MB of torch.
+The ``tests`` session installs torch into its own environment instead, because the startup hook
+tests build fresh environments that see the runner's site-packages folder only.
+Environments are reused between runs (``reuse_venv``); ``--reuse-venv=no`` rebuilds them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import nox
+
+REPO = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import matrix_data  # noqa: E402
+
+nox.options.reuse_venv = "yes"
+nox.options.tags = ["ci"]
+
+TORCH_REQUIREMENT = f"torch=={matrix_data.TORCH}"
+CI_LANES = frozenset(matrix_data.representative_releases())
+LANE_TESTS = ("tests/test_matrix.py", "tests/test_fingerprint_tool.py")
+
+# The tests build models from configs: nothing may reach for the model hub.
+TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def _purelib(session: nox.Session) -> Path:
+    out = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True)
+    return Path(out.strip().splitlines()[-1])
+
+
+def _shared_torch(session: nox.Session) -> Path:
+    """The shared torch folder (installed on first use), made importable in this session."""
+    tag = session.run(
+        "python", "-c", "import sys, platform; print(f'cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}')",
+        silent=True,
+    ).strip().splitlines()[-1]
+    folder = Path(session.virtualenv.location).parent / "_shared" / f"torch-{matrix_data.TORCH}-{tag}"
+    if not (folder / ".complete").exists():
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        # --no-deps: torch's own dependencies are small and install into each lane as usual.
+        session.run("python", "-m", "pip", "install", "--no-deps", "--target", str(partial), TORCH_REQUIREMENT)
+        (partial / ".complete").write_text(TORCH_REQUIREMENT + "\n")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(partial, folder)
+    (_purelib(session) / "_attn_overlay_shared_torch.pth").write_text(f"{folder}\n")
+    return folder
+
+
+def _install(session: nox.Session, release: str, *, share_torch: bool) -> None:
+    shared = _shared_torch(session) if share_torch else None
+    # torch is named with its exact version in every install: pip then keeps the shared (or
+    # already installed) 2.13.0 and can never reach for another build (multi-GB CUDA wheels).
+    # multidevice (accelerate): loading a model with tensor parallelism needs it.
+    session.install(TORCH_REQUIREMENT, f"transformers=={release}", "-e", f"{REPO}[test,multidevice]")
+    found = session.run(
+        "python", "-c",
+        "import importlib.metadata as m, torch; "
+        "print(m.version('transformers'), torch.__version__, torch.__file__)",
+        silent=True,
+    ).strip().splitlines()[-1]
+    transformers_version, torch_version, torch_file = found.split(" ", 2)
+    if transformers_version != release:
+        session.error(f"expected transformers {release}, found {transformers_version}")
+    if not torch_version.startswith(matrix_data.TORCH):
+        session.error(f"expected torch {matrix_data.TORCH}, found {torch_version}")
+    if shared is not None and not Path(torch_file).resolve().is_relative_to(shared.resolve()):
+        session.error(f"torch should come from the shared {shared}, but comes from {torch_file}")
+    session.log(f"transformers {transformers_version}, torch {torch_version} ({torch_file})")
+
+
+@nox.session(tags=["ci"])
+def tests(session: nox.Session) -> None:
+    """The whole test suite on the release the project is developed against."""
+    _install(session, matrix_data.FULL_SUITE_RELEASE, share_torch=False)
+    session.run("python", "-m", "pytest", "-ra", "--durations=10", *session.posargs, env=TEST_ENV)
+
+
+def _lane_tests() -> list[str]:
+    found = sorted(str(p.relative_to(REPO)) for p in REPO.glob("tests/test_patch_*.py"))
+    return [*found, *LANE_TESTS]
+
+
+def _make_lane(release: str):
+    def lane(session: nox.Session) -> None:
+        _install(session, release, share_torch=True)
+        session.run("python", "-m", "pytest", "-ra", "--durations=10", *_lane_tests(), *session.posargs, env=TEST_ENV)
+
+    lane.__doc__ = (
+        f"transformers {release}: expected "
+        + ", ".join(f"{pid} {state}" for pid, state in matrix_data.expected_statuses(release).items())
+    )
+    return lane
+
+
+for _release in matrix_data.RELEASES:
+    nox.session(
+        _make_lane(_release),
+        name=f"tf-{_release}",
+        tags=["matrix", *(["ci"] if _release in CI_LANES else [])],
+    )

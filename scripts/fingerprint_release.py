@@ -1,0 +1,452 @@
+#!/usr/bin/env python3
+"""Fingerprint every patch target in transformers releases, straight from the released wheels.
+
+How a maintainer adds a release::
+
+    python scripts/fingerprint_release.py --check 5.25.0
+
+downloads the wheel (``pip download --no-deps``; nothing is installed or imported), reads the
+source of every patch target out of it and prints its sha256 fingerprint and which known
+variant of the patch it is: ``original <label>`` (the bug, the patch applies), ``fixed <label>``
+(upstream ships the fix) or ``NEW`` (no known variant: the code changed). Read the code of every
+NEW target, then either add its fingerprint to the patch's ``originals``/``fixed`` (same bug,
+same fix still right) or write a new variant of the replacement. ``--check`` exits 1 while any
+target is NEW or missing, disagrees with the patch's declared versions (``affected``,
+``fixed_in``), or matches a variant whose label does not name the release.
+
+The fingerprint is computed exactly as the engine computes it at run time: the file's lines as
+``linecache`` gives them, the code object the module would create for the definition (found by
+compiling the file; when a name is defined twice, the last definition, as at run time), and the
+engine's own function to cut that code's block out of the lines, then
+``overlay.patch.fingerprint_source``. ``tests/test_fingerprint_tool.py`` proves the two agree on
+the installed release.
+
+Other sources than a version number: a path to a wheel file, or ``--installed`` for the
+transformers installed next to this interpreter (read from its files, not imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tokenize
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import CodeType
+from typing import Callable, Iterable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import matrix_data  # noqa: E402  (the scripts folder is not a package)
+
+matrix_data.ensure_overlay_importable()
+
+DEFAULT_WHEEL_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attn-overlay" / "wheels"
+
+# How a target's code compares with what the patch knows.
+ORIGINAL = "original"  # a known original: the bug is there, the patch applies
+FIXED = "fixed"  # a known upstream fix
+NEW = "NEW"  # no known variant: the code changed
+MISSING = "missing"  # the module or the definition is not in this release
+ABSENT_OPTIONAL = "absent (optional)"  # missing, and the target says that is fine
+
+# Reads one file of a release by its path inside the distribution ("transformers/..."):
+# its bytes, or None when the release has no such file.
+ReadFile = Callable[[str], "bytes | None"]
+
+
+# -- extraction (shared with the tests) --------------------------------------------------------
+
+
+def module_file_candidates(module: str) -> tuple[str, str]:
+    """Where ``module``'s source lives inside a distribution: a module file or a package."""
+    path = module.replace(".", "/")
+    return f"{path}.py", f"{path}/__init__.py"
+
+
+def source_lines(data: bytes) -> list[str]:
+    """The file's lines exactly as ``linecache`` gives them to the engine at run time: decoded
+    with the encoding the file declares (PEP 263), universal newlines, last line ending in
+    ``\\n``."""
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    lines = io.TextIOWrapper(io.BytesIO(data), encoding=encoding).readlines()
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    return lines
+
+
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _definitions_in(body: list[ast.stmt], name: str) -> list[ast.stmt]:
+    """Definitions of ``name`` in a module or class body, in source order, including those
+    inside ``if``/``try``/``with`` blocks of that body (conditional definitions), but not inside
+    functions."""
+    found: list[ast.stmt] = []
+    for node in body:
+        if isinstance(node, _DEFINITIONS):
+            if node.name == name:
+                found.append(node)
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.AsyncWith)) or type(node).__name__ == "TryStar":
+            for block in ("body", "orelse", "finalbody"):
+                found.extend(_definitions_in(getattr(node, block, []) or [], name))
+            for handler in getattr(node, "handlers", []) or []:
+                found.extend(_definitions_in(handler.body, name))
+    return found
+
+
+def definition_first_line(tree: ast.Module, qualname: str) -> int | None:
+    """1-based first line of ``qualname``'s definition (its first decorator, if any): the line
+    CPython records as the function's ``co_firstlineno``. When a name is defined more than once
+    the last definition wins, as it does when the module executes."""
+    body: list[ast.stmt] = tree.body
+    node: ast.stmt | None = None
+    for part in qualname.split("."):
+        candidates = _definitions_in(body, part)
+        if not candidates:
+            return None
+        node = candidates[-1]
+        body = node.body
+    assert node is not None
+    return min([node.lineno, *(d.lineno for d in node.decorator_list)])
+
+
+def extract_target_source(read: ReadFile, module: str, qualname: str) -> str | None:
+    """The dedented source block of ``module:qualname`` from a release's files, exactly as the
+    engine reads it at run time; ``None`` when the release has no such module or definition."""
+    for candidate in module_file_candidates(module):
+        data = read(candidate)
+        if data is not None:
+            break
+    else:
+        return None
+    lines, tree, codes = _compiled(data, candidate)
+    first = definition_first_line(tree, qualname)
+    if first is None:
+        return None
+    name = qualname.rsplit(".", 1)[-1]
+    code = next((c for c in codes if c.co_firstlineno == first and c.co_name == name), None)
+    if code is None:
+        return None
+    # The same code object the module creates when it runs, and the engine's own function to cut
+    # its block out of the same lines: identical text, whatever rule decides where a block ends.
+    from overlay.patch import _block_of_code
+
+    return _block_of_code(list(lines), code)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(data: bytes, filename: str) -> tuple[tuple[str, ...], ast.Module, tuple[CodeType, ...]]:
+    # Several targets live in one module: read, parse and compile each file once.
+    lines = source_lines(data)
+    text = "".join(lines)
+    codes: list[CodeType] = []
+    pending = [compile(text, filename, "exec", dont_inherit=True)]
+    while pending:
+        current = pending.pop()
+        codes.append(current)
+        pending.extend(c for c in current.co_consts if isinstance(c, CodeType))
+    return tuple(lines), ast.parse(text), tuple(codes)
+
+
+def target_fingerprint(read: ReadFile, module: str, qualname: str) -> str | None:
+    from overlay.patch import fingerprint_source
+
+    source = extract_target_source(read, module, qualname)
+    return None if source is None else fingerprint_source(source)
+
+
+def wheel_reader(wheel: Path) -> ReadFile:
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
+
+    def read(path: str) -> bytes | None:
+        return archive.read(path) if path in names else None
+
+    return read
+
+
+def directory_reader(root: Path) -> ReadFile:
+    """Files under ``root``, the folder that holds the ``transformers`` package (site-packages
+    or an unpacked wheel)."""
+
+    def read(path: str) -> bytes | None:
+        file = root / path
+        return file.read_bytes() if file.is_file() else None
+
+    return read
+
+
+def installed_transformers() -> tuple[str, Path]:
+    """(version, folder holding the package) of the transformers next to this interpreter,
+    found without importing it."""
+    from importlib.metadata import distribution
+
+    dist = distribution("transformers")
+    init = Path(dist.locate_file("transformers/__init__.py"))
+    return dist.version, init.parent.parent
+
+
+# -- classification -------------------------------------------------------------------------
+
+_LABEL = re.compile(r"^\s*(\d+(?:\.\d+)*)\s*(?:-\s*(\d+(?:\.\d+)*))?\s*$")
+
+
+def label_covers(label: str, version: str) -> bool | None:
+    """Whether a variant label such as ``"5.15.0-5.17.0"`` or ``"5.18.0"`` names ``version``;
+    ``None`` for a label that is not a release range (free text is allowed)."""
+    from packaging.version import Version
+
+    match = _LABEL.match(label)
+    if not match:
+        return None
+    low = Version(match.group(1))
+    high = Version(match.group(2) or match.group(1))
+    return low <= Version(Version(version).base_version) <= high
+
+
+@dataclass
+class TargetReport:
+    module: str
+    qualname: str
+    sha256: str | None
+    match: str  # ORIGINAL, FIXED, NEW, MISSING, ABSENT_OPTIONAL
+    label: str | None = None
+    label_covers_release: bool | None = None
+
+
+@dataclass
+class PatchReport:
+    id: str
+    declared: str  # from the patch's affected / fixed_in (matrix_data.expected_status)
+    code: str  # what the fingerprints alone say: applied / fixed upstream / unrecognised code
+    targets: list[TargetReport] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReleaseReport:
+    version: str
+    source: str
+    patches: list[PatchReport] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        return [f"transformers {self.version}: {p.id}: {msg}" for p in self.patches for msg in p.problems]
+
+    @property
+    def notes(self) -> list[str]:
+        return [f"transformers {self.version}: {p.id}: {msg}" for p in self.patches for msg in p.notes]
+
+
+def classify_target(target, digest: str | None) -> tuple[str, str | None]:
+    if digest is None:
+        return (ABSENT_OPTIONAL if target.optional else MISSING), None
+    if digest in target.originals:
+        return ORIGINAL, target.originals[digest]
+    if digest in target.fixed:
+        return FIXED, target.fixed[digest]
+    return NEW, None
+
+
+def code_status(matches: Iterable[str]) -> str:
+    """What the engine concludes from the fingerprints alone (the version gate aside): every
+    target a known original -> applied; any target a known fix -> fixed upstream; otherwise
+    unrecognised code."""
+    matches = [m for m in matches if m != ABSENT_OPTIONAL]
+    if matches and all(m == ORIGINAL for m in matches):
+        return matrix_data.APPLIED
+    if FIXED in matches and not ({NEW, MISSING} & set(matches)):
+        return matrix_data.FIXED_UPSTREAM
+    return "unrecognised code"
+
+
+def report_patch(patch, version: str, read: ReadFile) -> PatchReport:
+    report = PatchReport(id=patch.id, declared=matrix_data.expected_status(patch, version), code="")
+    for target in patch.targets:
+        digest = target_fingerprint(read, target.module, target.qualname)
+        match, label = classify_target(target, digest)
+        covers = label_covers(label, version) if label is not None else None
+        report.targets.append(TargetReport(target.module, target.qualname, digest, match, label, covers))
+    report.code = code_status(t.match for t in report.targets)
+
+    if report.declared == matrix_data.NOT_AFFECTED:
+        # Outside the patch's releases: the engine never looks at this code, nothing to fix here.
+        if report.code == matrix_data.APPLIED:
+            report.notes.append(
+                f"every target is a known original although {version} is outside {patch.affected!r}: "
+                "if the bug is there too, widen affected"
+            )
+        return report
+    for t in report.targets:
+        where = f"{t.module}:{t.qualname}"
+        if t.match == NEW:
+            report.problems.append(
+                f"{where} matches no known variant (sha256 {t.sha256}): read the code, then add the "
+                "fingerprint to the target's originals/fixed or write a new variant"
+            )
+        elif t.match == MISSING:
+            report.problems.append(f"{where} does not exist in this release")
+        elif t.label_covers_release is False:
+            report.problems.append(
+                f"{where} is the {t.match} variant labelled {t.label!r}, which does not name {version}: "
+                "widen the label"
+            )
+    if report.code != "unrecognised code" and report.code != report.declared:
+        report.problems.append(
+            f"the patch declares {report.declared!r} for {version} (affected {patch.affected!r}, "
+            f"fixed_in {patch.fixed_in!r}) but the code says {report.code!r}"
+        )
+    return report
+
+
+def report_release(version: str, read: ReadFile, source: str, patches: Sequence | None = None) -> ReleaseReport:
+    patches = patches if patches is not None else matrix_data.load_patches()
+    return ReleaseReport(version, source, [report_patch(p, version, read) for p in patches])
+
+
+def load_patch_module(name: str):
+    """The ``PATCH`` of ``patches/<name>.py`` (``name`` may carry the ``.py`` or a folder)."""
+    import importlib
+
+    from overlay.patch import Patch
+
+    module = importlib.import_module(f"overlay.patches.{Path(name).stem}")
+    patch = getattr(module, "PATCH", None)
+    if not isinstance(patch, Patch):
+        raise SystemExit(f"fingerprint_release: {module.__name__} defines no PATCH")
+    return patch
+
+
+# -- wheels ---------------------------------------------------------------------------------
+
+
+def find_wheel(version: str, wheel_dir: Path) -> Path | None:
+    found = sorted(wheel_dir.glob(f"transformers-{version}-*.whl"))
+    return found[0] if found else None
+
+
+def fetch_wheel(version: str, wheel_dir: Path, timeout: float = 600) -> Path:
+    """The release's wheel from ``wheel_dir``, downloaded there first if needed (never installed)."""
+    wheel = find_wheel(version, wheel_dir)
+    if wheel is not None:
+        return wheel
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
+         "--disable-pip-version-check", "--dest", str(wheel_dir), f"transformers=={version}"],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    wheel = find_wheel(version, wheel_dir)
+    if done.returncode != 0 or wheel is None:
+        last = ((done.stderr or done.stdout).strip().splitlines() or ["pip printed nothing"])[-1]
+        raise RuntimeError(f"could not download transformers {version}: {last}")
+    return wheel
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def format_text(reports: Sequence[ReleaseReport]) -> str:
+    out: list[str] = []
+    for release in reports:
+        out.append(f"transformers {release.version}  ({release.source})")
+        for patch in release.patches:
+            out.append(f"  {patch.id}: declared {patch.declared}; code says {patch.code}")
+            for t in patch.targets:
+                what = t.match if t.label is None else f"{t.match} {t.label}"
+                if t.label_covers_release is False:
+                    what += f"  (label does not name {release.version})"
+                out.append(f"    {t.qualname:<58} {t.sha256 or '-':<64}  {what}")
+        out.append("")
+    patch_ids = [p.id for p in reports[0].patches] if reports else []
+    width = max([len(i) for i in patch_ids] + [len("(unrecognised code)")])
+    out.append("code says (release x patch):")
+    out.append(("  " + " " * 8 + "  ".join(f"{i:<{width}}" for i in patch_ids)).rstrip())
+    for release in reports:
+        cells = []
+        for p in release.patches:
+            cell = p.code if p.declared != matrix_data.NOT_AFFECTED else f"({p.code})"
+            cells.append(f"{cell + (' !' if p.problems else ''):<{width}}")
+        out.append(f"  {release.version:<8}" + "  ".join(cells).rstrip())
+    problems = [msg for release in reports for msg in release.problems]
+    notes = [msg for release in reports for msg in release.notes]
+    out.append("")
+    if notes:
+        out.append("notes:")
+        out.extend(f"  - {msg}" for msg in notes)
+    if problems:
+        out.append(f"{len(problems)} problem(s):")
+        out.extend(f"  - {msg}" for msg in problems)
+    else:
+        out.append("every target matches a known variant that agrees with the declared versions")
+    return "\n".join(out)
+
+
+def as_json(reports: Sequence[ReleaseReport]) -> str:
+    data = {
+        "releases": [
+            {"version": r.version, "source": r.source, "patches": [asdict(p) for p in r.patches]} for r in reports
+        ],
+        "problems": [msg for r in reports for msg in r.problems],
+        "notes": [msg for r in reports for msg in r.notes],
+    }
+    return json.dumps(data, indent=2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="scripts/fingerprint_release.py",
+        description="Fingerprint every patch target in transformers releases, read from their wheels.",
+    )
+    parser.add_argument("releases", nargs="*", metavar="VERSION",
+                        help="transformers release numbers (e.g. 5.24.0) or paths to wheel files")
+    parser.add_argument("--installed", action="store_true",
+                        help="also report the transformers installed next to this interpreter (read, not imported)")
+    parser.add_argument("--wheel-dir", type=Path, default=DEFAULT_WHEEL_DIR,
+                        help=f"where wheels are looked for and downloaded (default {DEFAULT_WHEEL_DIR})")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--patch", action="append", metavar="MODULE", dest="patch_modules",
+                        help="report only this patch file of patches/ (repeatable; it need not be "
+                        "listed in patches/__init__.py yet, e.g. while writing it)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when any target is NEW, missing, or disagrees with the declared versions")
+    args = parser.parse_args(argv)
+    if not args.releases and not args.installed:
+        parser.error("name at least one release (or --installed)")
+
+    patches = (
+        [load_patch_module(name) for name in args.patch_modules] if args.patch_modules else matrix_data.load_patches()
+    )
+    reports: list[ReleaseReport] = []
+    for item in args.releases:
+        try:
+            if item.endswith(".whl"):
+                wheel = Path(item)
+                version = wheel.name.split("-")[1]
+            else:
+                version, wheel = item, fetch_wheel(item, args.wheel_dir)
+        except (RuntimeError, subprocess.TimeoutExpired, IndexError) as exc:
+            print(f"fingerprint_release: {exc}", file=sys.stderr)
+            return 2
+        reports.append(report_release(version, wheel_reader(wheel), str(wheel), patches))
+    if args.installed:
+        version, root = installed_transformers()
+        reports.append(report_release(version, directory_reader(root), f"installed at {root}", patches))
+
+    print(as_json(reports) if args.json else format_text(reports))
+    problems = [msg for r in reports for msg in r.problems]
+    return 1 if args.check and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Which transformers release gets which status from each patch: the one table that the matrix
+tests, the README table and the nox lanes all read.
+
+Nothing here is written down twice. A patch file declares the releases that carry its bug
+(``affected``, a PEP 440 specifier) and the first release that fixes it upstream (``fixed_in``);
+the expected status of every (release, patch) pair follows from those two fields alone:
+
+- release in ``affected``                 -> ``applied``
+- release at or after ``fixed_in``        -> ``fixed upstream``
+- anything else                           -> ``not affected``
+
+The fingerprints are the *other* statement of the same facts (which code each release ships).
+The two are checked against each other, never merged: ``tests/test_matrix.py`` asserts that the
+engine, reading the installed release's real code, reaches exactly these statuses, and
+``scripts/fingerprint_release.py --check`` does the same from the released wheels.
+
+Only the list of releases is written here: it is what the matrix proves, one nox lane each.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Iterable, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: Every transformers release the matrix proves, oldest first (one nox lane each). Adding a
+#: release: run ``scripts/fingerprint_release.py --check NEW``, update the patch files it flags,
+#: append the release here, then ``python scripts/readme_table.py``.
+RELEASES: tuple[str, ...] = (
+    "5.13.0",
+    "5.13.1",
+    "5.14.0",
+    "5.14.1",
+    "5.15.0",
+    "5.15.1",
+    "5.16.0",
+    "5.16.1",
+    "5.17.0",
+    "5.18.0",
+    "5.19.0",
+    "5.20.0",
+    "5.20.1",
+    "5.20.2",
+    "5.21.0",
+    "5.21.1",
+    "5.22.0",
+    "5.22.1",
+    "5.22.2",
+    "5.23.0",
+    "5.24.0",
+)
+
+#: The release the whole test suite runs on (engine, startup hook, every patch): the one the
+#: README pins and the development environments use.
+FULL_SUITE_RELEASE = "5.18.0"
+
+#: The one torch every lane shares: the CPU build that lies on this kind of machine's disk.
+TORCH = "2.13.0"
+
+# The engine's own words for these outcomes (overlay.engine is cheap to import: no torch,
+# no transformers, no packaging at import time).
+APPLIED = "applied"
+FIXED_UPSTREAM = "fixed upstream"
+NOT_AFFECTED = "not affected"
+
+
+def ensure_overlay_importable() -> None:
+    """Make ``overlay`` and ``overlay.patches`` importable from this checkout.
+
+    An installed (or editable) attn-overlay already maps ``patches/`` to ``overlay.patches``
+    (setup.py's ``package_dir``). A bare checkout on ``sys.path`` lacks that mapping, e.g. in the
+    interpreter that runs nox, where the project is not installed: load the package from its
+    folder under the name it is installed as.
+    """
+    if importlib.util.find_spec("overlay") is None:
+        sys.path.insert(0, str(REPO))
+    import overlay
+
+    if "overlay.patches" in sys.modules:
+        return
+    try:
+        found = importlib.util.find_spec("overlay.patches")
+    except ImportError:
+        found = None
+    if found is not None:
+        return
+    spec = importlib.util.spec_from_file_location(
+        "overlay.patches",
+        REPO / "patches" / "__init__.py",
+        submodule_search_locations=[str(REPO / "patches")],
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["overlay.patches"] = module
+    spec.loader.exec_module(module)
+    overlay.patches = module
+
+
+def load_patches():
+    """Every shipped patch (``overlay.patch.Patch``), in the order of ``patches/__init__.py``."""
+    ensure_overlay_importable()
+    from overlay.registry import load_patches as load
+
+    return load()
+
+
+def expected_status(patch, version: str) -> str:
+    """The status ``patch`` must reach on transformers ``version``, from its declaration alone."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    release = Version(version)
+    if SpecifierSet(patch.affected).contains(release, prereleases=True):
+        return APPLIED
+    if patch.fixed_in is not None and Version(release.base_version) >= Version(patch.fixed_in):
+        return FIXED_UPSTREAM
+    return NOT_AFFECTED
+
+
+def expected_statuses(version: str, patches: Sequence | None = None) -> dict[str, str]:
+    """``{patch id: expected status}`` for one release."""
+    return {p.id: expected_status(p, version) for p in (patches if patches is not None else load_patches())}
+
+
+def matrix(releases: Iterable[str] = RELEASES, patches: Sequence | None = None) -> dict[str, dict[str, str]]:
+    """``{release: {patch id: expected status}}``, releases in the given order."""
+    patches = patches if patches is not None else load_patches()
+    return {release: expected_statuses(release, patches) for release in releases}
+
+
+def representative_releases(
+    releases: Sequence[str] = RELEASES, patches: Sequence | None = None
+) -> tuple[str, ...]:
+    """The subset CI runs: for every bug that upstream fixed, the oldest and the newest release
+    the patch applies to (each original variant family's two ends), plus the newest release
+    (where those patches must step aside as "fixed upstream"). Oldest first."""
+    patches = patches if patches is not None else load_patches()
+    table = matrix(releases, patches)
+    picked = {releases[-1]}
+    for patch in patches:
+        if patch.fixed_in is None:
+            continue
+        applied = [r for r in releases if table[r][patch.id] == APPLIED]
+        if applied:
+            picked.update((applied[0], applied[-1]))
+    return tuple(r for r in releases if r in picked)
+

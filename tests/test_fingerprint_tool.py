@@ -1,0 +1,228 @@
+"""scripts/fingerprint_release.py reads the same code, and computes the same fingerprint, as the
+engine does at run time; and it flags code that no known variant matches.
+
+No network: the tool's extraction runs on the installed transformers' own files (what a wheel
+holds, unpacked), and on wheels built here from those files.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import fingerprint_release as tool  # noqa: E402
+import matrix_data  # noqa: E402
+
+import overlay  # noqa: E402
+from overlay.patch import fingerprint  # noqa: E402
+
+PATCHES = matrix_data.load_patches()
+TARGETS = [(patch, target) for patch in PATCHES for target in patch.targets]
+INSTALLED_VERSION, INSTALLED_ROOT = tool.installed_transformers()
+
+
+def _runtime_function(target):
+    """The target as the engine finds it: the raw object in its owner's namespace."""
+    owner = importlib.import_module(target.module)
+    *path, name = target.qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    raw = vars(owner).get(name)
+    return raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+
+
+@pytest.mark.parametrize("patch,target", TARGETS, ids=[f"{p.id}:{t.qualname}" for p, t in TARGETS])
+def test_extraction_from_files_equals_runtime_fingerprint(patch, target):
+    with overlay.reverted():  # the code as shipped, whatever another test left applied
+        func = _runtime_function(target)
+        from_files = tool.target_fingerprint(tool.directory_reader(INSTALLED_ROOT), target.module, target.qualname)
+        if func is None:
+            assert target.optional, f"{target.key} is missing from transformers {INSTALLED_VERSION}"
+            assert from_files is None
+            return
+        assert from_files == fingerprint(func)
+
+
+def test_extraction_matches_runtime_on_decorated_nested_and_redefined_code(tmp_path, monkeypatch):
+    # The cases where "the first line of the definition" is easy to get wrong: decorators
+    # (CPython starts the code object at the first one), a class inside a class, a name
+    # defined twice (the last one wins), a definition inside an `if` at module level.
+    source = textwrap.dedent(
+        '''
+        import functools
+
+        def noop(func):
+            @functools.wraps(func)
+            def inner(*a, **k):
+                return func(*a, **k)
+            return inner
+
+        class Outer:
+            class Inner:
+                @staticmethod
+                @noop
+                def method(x,
+                           y=(
+                               1, 2)):
+                    """doc"""
+                    return x  # comment
+
+        def twice():
+            return 1
+
+        def twice():
+            return 2
+
+        if True:
+            def conditional(a):
+                return a
+        '''
+    )
+    (tmp_path / "fp_toy_module.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fp_toy_module", raising=False)
+    toy = importlib.import_module("fp_toy_module")
+    read = tool.directory_reader(tmp_path)
+    cases = {
+        "Outer.Inner.method": toy.Outer.Inner.__dict__["method"].__func__,
+        "twice": toy.twice,
+        "conditional": toy.conditional,
+    }
+    for qualname, func in cases.items():
+        assert tool.target_fingerprint(read, "fp_toy_module", qualname) == fingerprint(func), qualname
+    assert tool.target_fingerprint(read, "fp_toy_module", "Outer.missing") is None
+
+
+def _wheel_from_installed(path: Path, version: str, change: tuple[str, str] | None = None) -> Path:
+    """A wheel holding the installed files of every patch module; ``change`` = (module,
+    qualname) gets one character changed inside that definition."""
+    wheel = path / f"transformers-{version}-py3-none-any.whl"
+    read = tool.directory_reader(INSTALLED_ROOT)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for module in sorted({p.module for p in PATCHES}):
+            for candidate in tool.module_file_candidates(module):
+                data = read(candidate)
+                if data is None:
+                    continue
+                if change is not None and change[0] == module:
+                    data = _one_character_changed(data, change[1])
+                archive.writestr(candidate, data)
+                break
+    return wheel
+
+
+def _one_character_changed(data: bytes, qualname: str) -> bytes:
+    import ast
+
+    lines = tool.source_lines(data)
+    first = tool.definition_first_line(ast.parse("".join(lines)), qualname)
+    index = next(i for i in range(first - 1, len(lines)) if lines[i].lstrip().startswith(("def ", "async def ")))
+    lines[index] = lines[index].replace("(", "( ", 1)  # still valid Python, no longer the same code
+    return "".join(lines).encode("utf-8")
+
+
+def test_unchanged_release_passes_check_and_reports_known_variants(tmp_path, capsys):
+    wheel = _wheel_from_installed(tmp_path, INSTALLED_VERSION)
+    assert tool.main([str(wheel), "--check", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["problems"] == []
+    (release,) = report["releases"]
+    for patch_report in release["patches"]:
+        expected = matrix_data.expected_status(next(p for p in PATCHES if p.id == patch_report["id"]), INSTALLED_VERSION)
+        assert patch_report["declared"] == expected
+        if expected != matrix_data.NOT_AFFECTED:
+            assert patch_report["code"] == expected
+            assert all(t["match"] in (tool.ORIGINAL, tool.FIXED, tool.ABSENT_OPTIONAL) for t in patch_report["targets"])
+
+
+def test_changed_target_is_flagged_new_and_fails_check(tmp_path, capsys):
+    patch = PATCHES[0]
+    target = next(t for t in patch.targets if _runtime_function(t) is not None)
+    wheel = _wheel_from_installed(tmp_path, INSTALLED_VERSION, change=(target.module, target.qualname))
+
+    assert tool.main([str(wheel), "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    (release,) = report["releases"]
+    by_target = {
+        (p["id"], t["qualname"]): t for p in release["patches"] for t in p["targets"]
+    }
+    changed = by_target.pop((patch.id, target.qualname))
+    assert changed["match"] == tool.NEW and changed["label"] is None
+    assert len(changed["sha256"]) == 64
+    assert all(t["match"] != tool.NEW for t in by_target.values()), "only the changed target is new"
+    patch_report = next(p for p in release["patches"] if p["id"] == patch.id)
+    assert patch_report["code"] == "unrecognised code"
+    if patch_report["declared"] != matrix_data.NOT_AFFECTED:
+        assert any("matches no known variant" in msg and target.qualname in msg for msg in report["problems"])
+
+    # Without --check the report is the same, and the exit status 0.
+    assert tool.main([str(wheel)]) == 0
+    text = capsys.readouterr().out
+    assert f"{changed['sha256']}  NEW" in text
+
+
+def _toy_patch(**declared):
+    from overlay.patch import Patch, Target
+
+    target = Target(
+        module="toy_module",
+        qualname="Toy.method",
+        originals={"a" * 64: "5.13.0-5.14.1"},
+        fixed={"b" * 64: "5.20.0"},
+        replace=lambda original: original,
+    )
+    fields = {"affected": ">=5.13.0,<5.20.0", "fixed_in": "5.20.0", **declared}
+    return Patch(id="toy", title="toy", errors=(), why="", upstream="", targets=(target,), **fields)
+
+
+def _report(monkeypatch, patch, version, digest):
+    monkeypatch.setattr(tool, "target_fingerprint", lambda read, module, qualname: digest)
+    return tool.report_patch(patch, version, read=lambda path: None)
+
+
+def test_known_variant_named_by_its_label_is_no_problem(monkeypatch):
+    report = _report(monkeypatch, _toy_patch(), "5.14.0", "a" * 64)
+    assert (report.declared, report.code, report.problems) == ("applied", "applied", [])
+    report = _report(monkeypatch, _toy_patch(), "5.20.0", "b" * 64)
+    assert (report.declared, report.code, report.problems) == ("fixed upstream", "fixed upstream", [])
+
+
+def test_code_that_contradicts_the_declared_versions_is_flagged(monkeypatch):
+    # Declared fixed upstream, but the release still ships the original: fixed_in is wrong.
+    report = _report(monkeypatch, _toy_patch(), "5.20.0", "a" * 64)
+    assert report.code == "applied"
+    assert any("declares 'fixed upstream'" in msg and "code says 'applied'" in msg for msg in report.problems)
+    # Declared affected, but the release already ships the fix: affected is too wide.
+    report = _report(monkeypatch, _toy_patch(), "5.14.0", "b" * 64)
+    assert any("declares 'applied'" in msg and "code says 'fixed upstream'" in msg for msg in report.problems)
+
+
+def test_stale_label_is_flagged(monkeypatch):
+    report = _report(monkeypatch, _toy_patch(), "5.15.0", "a" * 64)
+    assert report.code == "applied"
+    assert any("labelled '5.13.0-5.14.1', which does not name 5.15.0" in msg for msg in report.problems)
+    assert tool.label_covers("5.13.0-5.14.1", "5.14.0") is True
+    assert tool.label_covers("5.18.0", "5.18.0") is True
+    assert tool.label_covers("the 5.x line", "5.18.0") is None  # free text: not checked
+
+
+def test_new_and_missing_code_is_flagged_only_where_the_patch_applies(monkeypatch):
+    report = _report(monkeypatch, _toy_patch(), "5.14.0", "c" * 64)
+    assert report.code == "unrecognised code"
+    assert any("matches no known variant" in msg for msg in report.problems)
+    report = _report(monkeypatch, _toy_patch(), "5.14.0", None)
+    assert any("does not exist in this release" in msg for msg in report.problems)
+    # Before the bug: the engine never reads this code, so a different one is no problem.
+    report = _report(monkeypatch, _toy_patch(), "5.12.0", "c" * 64)
+    assert (report.declared, report.problems) == ("not affected", [])
