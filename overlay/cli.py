@@ -35,8 +35,15 @@ for name in modules:
         importlib.import_module(name)
     except Exception as exc:
         errors[name] = f"{type(exc).__name__}: {exc}"
+hook_active = engine.is_active()
+if not hook_active:
+    # Still show what the patches would do here: the same gate, on the same code, applied
+    # explicitly (the modules are imported already, so the late-import warning is expected).
+    import logging
+    logging.getLogger("overlay").setLevel(logging.ERROR)
+    engine.apply(strict=False)
 print(json.dumps({
-    "hook_active": engine.is_active(),
+    "hook_active": hook_active,
     "startup_error": engine._engine.startup_error,
     "import_errors": errors,
     "status": [s.as_dict() for s in engine.status()],
@@ -134,8 +141,10 @@ def report(args: argparse.Namespace) -> int:
                 why = f"{config.ENABLE_VAR}=0 is set"
             print(
                 "\nstartup hook: NOT active" + (f" ({why})" if why else "")
-                + "\n  the fixes reach a program only through `python -m overlay.apply PROGRAM.py` or "
-                "`overlay.apply()`; reinstall attn-overlay with pip (not as an egg or zip) to get the hook"
+                + "\n  the table shows what `overlay.apply()` does in this environment; the fixes reach a "
+                "program only through `python -m overlay.apply PROGRAM.py` or `overlay.apply()`."
+                "\n  To get the hook: install attn-overlay with pip as a regular package (an editable "
+                "`pip install -e` install does not ship the .pth file), and unset ATTN_OVERLAY=0"
             )
     strict = args.strict or config.strict_from_env()
     return 1 if strict and (bad or inactive) else 0

@@ -110,6 +110,10 @@ def test_apply_cli_verifies_the_hook(fresh):
     done = fresh.run("-m", "overlay.apply", "--strict", env={"ATTN_OVERLAY": "0"}, check=False)
     assert done.returncode == 1
     assert "startup hook: NOT active (ATTN_OVERLAY=0 is set)" in done.stdout
+    # The table still says what overlay.apply() would do here, patch by patch.
+    report = json.loads(fresh.run("-m", "overlay.apply", "--json", env={"ATTN_OVERLAY": "0"}).stdout)
+    assert report["hook_active"] is False
+    assert {row["state"] for row in report["status"]} <= _expected_active_states()
 
 
 def test_apply_cli_runs_a_program_with_patches_applied(fresh, tmp_path):
