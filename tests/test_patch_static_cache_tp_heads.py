@@ -47,6 +47,10 @@ TARGET = PATCH.targets[0]
 TRANSFORMERS_VERSION = Version(importlib.metadata.version("transformers"))
 AFFECTED = SpecifierSet(PATCH.affected).contains(TRANSFORMERS_VERSION, prereleases=True)
 FIXED_UPSTREAM = Version(TRANSFORMERS_VERSION.base_version) >= Version(PATCH.fixed_in)
+# transformers 5.16.0 - 5.16.1 load a tensor-parallel model without ever setting
+# `model._tp_size` (their distributed mixin declares it and never assigns it), so the eager
+# static cache never sees tensor parallelism there and bug 2 stays latent on those releases.
+TP_SIZE_RECORDED = not (Version("5.16.0") <= Version(TRANSFORMERS_VERSION.base_version) < Version("5.17.0"))
 
 INDEX_COPY_ERROR = "index_copy_(): Source/destination tensor must have same slice shapes"
 # The variant of 5.13.0-5.17.0 sizes the cache from the global head count only.
@@ -432,7 +436,7 @@ def test_chunked_static_generation_under_tensor_parallelism(plan_name, tp_run):
     model, _ = TP_PLANS[plan_name]
     per_rank = [next(c for c in rank["cases"] if c["name"] == plan_name) for rank in tp_run["ranks"]]
     for case in per_rank:
-        assert case["tp_size"] == WORLD_SIZE
+        assert case["tp_size"] == (WORLD_SIZE if TP_SIZE_RECORDED else None)
         assert case["local_rows"] == EXPECTED_LOCAL_ROWS[plan_name], case["effective_tp_plan"]
     first, second = per_rank
     for run in ("unchunked", "chunked_stock", "chunked_patched"):
@@ -443,7 +447,15 @@ def test_chunked_static_generation_under_tensor_parallelism(plan_name, tp_run):
     assert outcome(runs["unchunked"]) == tp_run["reference"][model]
 
     stock = runs["chunked_stock"]
-    if AFFECTED and plan_name in FULL_HEAD_PLANS:
+    if not TP_SIZE_RECORDED and plan_name not in FULL_HEAD_PLANS:
+        # 5.16.x's own, opposite slip: with `_tp_size` unset the cache keeps every head although
+        # colwise keys hold half of them. The overlay defers to transformers for colwise plans
+        # and does not repair this (a known limitation, in the README): both runs fail alike.
+        for run in (stock, runs["chunked_patched"]):
+            assert "error" in run and INDEX_COPY_ERROR in run["error"]["message"], run
+        assert first["patch_status"]["state"] == "applied", first["patch_status"]
+        return
+    if AFFECTED and TP_SIZE_RECORDED and plan_name in FULL_HEAD_PLANS:
         assert "error" in stock, f"expected the stock chunked run to fail on {TRANSFORMERS_VERSION}"
         assert stock["error"]["type"] == "RuntimeError"
         assert INDEX_COPY_ERROR in stock["error"]["message"]
