@@ -104,10 +104,11 @@ def source_of(func: Callable[..., Any]) -> str:
     lines = linecache.getlines(code.co_filename)
     if not lines:
         raise OSError(f"no source available for {func!r} ({code.co_filename})")
-    return _block_of_code(lines, code)
+    return block_of_code(lines, code)
 
 
-def _block_of_code(lines: list[str], code: CodeType) -> str:
+def block_of_code(lines: list[str], code: CodeType) -> str:
+    """The dedented block of ``code`` in its module's ``lines`` (see :func:`source_of`)."""
     end = block_end(code)
     if end is None:  # no line table with end positions (Python < 3.11): tokenize instead
         return block_at(lines, code.co_firstlineno)
@@ -139,19 +140,28 @@ def block_at(lines: list[str], first_lineno: int) -> str:
 
 def source_in_module_text(text: str, filename: str, qualname: str) -> str | None:
     """:func:`source_of` for the function ``qualname`` defined in a module's source ``text``,
-    without importing it (e.g. read from a release wheel). ``None`` when no such function."""
+    without importing it (e.g. read from a release wheel). ``None`` when no such function.
+
+    Lines are split as a text-mode file read splits them (``\\n`` only, as linecache does), and
+    when a name is defined twice the last definition wins, as it does at import time.
+    """
+    import io
+
     module_code = compile(text, filename, "exec", dont_inherit=True)
-    lines = text.splitlines(keepends=True)
+    lines = io.StringIO(text, newline=None).readlines()
+    found: CodeType | None = None
     pending = [module_code]
     while pending:
         current = pending.pop()
         for const in current.co_consts:
             if not isinstance(const, CodeType):
                 continue
-            if getattr(const, "co_qualname", None) == qualname:
-                return _block_of_code(lines, const)
+            if getattr(const, "co_qualname", None) == qualname and (
+                found is None or const.co_firstlineno > found.co_firstlineno
+            ):
+                found = const
             pending.append(const)
-    return None
+    return block_of_code(lines, found) if found is not None else None
 
 
 def fingerprint_source(source: str) -> str:

@@ -138,9 +138,9 @@ def extract_target_source(read: ReadFile, module: str, qualname: str) -> str | N
         return None
     # The same code object the module creates when it runs, and the engine's own function to cut
     # its block out of the same lines: identical text, whatever rule decides where a block ends.
-    from overlay.patch import _block_of_code
+    from overlay.patch import block_of_code
 
-    return _block_of_code(list(lines), code)
+    return block_of_code(list(lines), code)
 
 
 @functools.lru_cache(maxsize=16)

@@ -154,12 +154,11 @@ def test_changed_target_is_unrecognised_and_left_alone(patch, tmp_path, monkeypa
 
     control = _synthetic_patch(patch, same_name, "synthetic-same")
     altered = _synthetic_patch(patch, changed_name, "synthetic-changed")
-    same_module = importlib.import_module(same_name)
-    changed_module = importlib.import_module(changed_name)
     with engine.isolated([control, altered]):
-        # Both modules are already imported, so apply() patches them at once (the post-import
-        # path is covered in a fresh interpreter by the command-line test below).
-        states = {s.id: s for s in overlay.apply(strict=False)}
+        overlay.apply(strict=False)  # watches both modules: the post-import hook decides
+        same_module = importlib.import_module(same_name)
+        changed_module = importlib.import_module(changed_name)
+        states = {s.id: s for s in overlay.status()}
 
         # The copy is byte-identical where it counts: same fingerprint, recognised as the real one.
         real_function = _function(_raw(real, changed.qualname)[2])
