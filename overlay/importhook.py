@@ -99,14 +99,6 @@ def _find_spec_elsewhere(fullname, path, target):
     return None
 
 
-def installed_finder():
-    """The overlay finder on ``sys.meta_path`` (startup or engine), or ``None``."""
-    for finder in sys.meta_path:
-        if getattr(finder, "_attn_overlay_finder", False):
-            return finder
-    return None
-
-
 def startup_finder():
     """The startup hook's finder (it forwards to a ``delegate`` once activated), or ``None``."""
     for finder in sys.meta_path:
