@@ -1,0 +1,78 @@
+"""What the overlay actually fixed in this process: per patch, how many calls it changed something.
+
+Patches call :func:`record` on their slow path only (tensors moved, dtypes cast, a head count
+corrected, a cache rebuilt): the path where the overlay already does real work, so counting costs
+nothing measurable, and the hot path (nothing to fix) never reaches this module. Never call it
+inside a compiled region (check ``torch.compiler.is_compiling()`` first): the lock would break
+the graph.
+
+``overlay.fired()`` returns the counts; ``ATTN_OVERLAY_REPORT=1`` prints them at exit on stderr,
+one line per patch that fired, with what it did and the upgrade advice from the patch metadata.
+A process in which nothing fired prints nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import Counter
+
+_lock = threading.Lock()
+_calls: Counter[str] = Counter()
+_actions: dict[str, Counter[str]] = {}
+
+
+def record(patch_id: str, action: str) -> None:
+    """Count one call in which patch ``patch_id`` changed something; ``action`` says what, in a
+    short phrase that reads after the patch id (``"moved nested masks to neuron:0"``)."""
+    with _lock:
+        _calls[patch_id] += 1
+        _actions.setdefault(patch_id, Counter())[action] += 1
+
+
+def fired() -> dict[str, int]:
+    """Calls per patch id in which the patch changed something, in this process."""
+    with _lock:
+        return dict(_calls)
+
+
+def fired_actions() -> dict[str, dict[str, int]]:
+    """Per patch id, how often each action happened."""
+    with _lock:
+        return {patch_id: dict(actions) for patch_id, actions in _actions.items()}
+
+
+def reset() -> None:
+    """Forget every count (tests, and the doctor between scenarios)."""
+    with _lock:
+        _calls.clear()
+        _actions.clear()
+
+
+def report_lines(patches) -> list[str]:
+    """One line per patch that fired, with its actions and the upgrade advice."""
+    by_id = {patch.id: patch for patch in patches}
+    lines = []
+    for patch_id, actions in sorted(fired_actions().items()):
+        total = sum(actions.values())
+        ranked = sorted(actions.items(), key=lambda item: -item[1])
+        what = "; ".join(f"{action} ({count}x)" for action, count in ranked)
+        patch = by_id.get(patch_id)
+        if patch is None:
+            advice = ""
+        elif patch.fixed_in is not None:
+            advice = f"; fixed upstream in transformers {patch.fixed_in}"
+        else:
+            advice = "; no transformers release fixes this yet"
+        lines.append(f"attn-overlay: {patch_id} fired in {total} call(s): {what}{advice}")
+    return lines
+
+
+def print_report(patches, stream=None) -> None:
+    """Write :func:`report_lines` to stderr (nothing when nothing fired). Never raises."""
+    try:
+        lines = report_lines(patches)
+        if lines:
+            print("\n".join(lines), file=stream or sys.stderr, flush=True)
+    except Exception:
+        pass
