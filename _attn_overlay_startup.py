@@ -1,58 +1,183 @@
-"""attn-overlay's startup hook, imported by ``attn_overlay.pth`` (or run from ``attn_overlay.start``
-on Python 3.15+) when the interpreter starts.
+"""attn-overlay's startup hook and its one import finder.
 
-It must cost next to nothing and never raise: it imports neither torch, transformers nor
-packaging. All it does is put one tiny finder on ``sys.meta_path`` that wakes up the first time
-``transformers`` is imported and hands over to the engine (``overlay.engine``), which then
-checks the installed version and watches the modules its patches target. Every other import
-passes straight through with a single string comparison.
+``attn_overlay.pth`` imports this module when the interpreter starts (``attn_overlay.start`` calls
+:func:`install` on Python 3.15+, where ``.pth`` import lines are skipped). It must cost next to
+nothing and never raise: it imports neither torch, transformers, packaging nor the ``overlay``
+package. It puts one :class:`PostImportFinder` on ``sys.meta_path`` with a single post-import
+hook, on ``transformers``, that hands over to the engine (``overlay.engine``); the engine then
+registers hooks on the modules its patches target, on this same finder. Every other import
+passes straight through with one dictionary lookup.
 
-``ATTN_OVERLAY=0`` turns it off (checked here and again when transformers is imported).
+The finder runs a hook right after its module has executed: it asks the other finders for the
+module's real spec and wraps that loader's ``exec_module`` (the loader object itself stays the
+module's ``__loader__``, so tracebacks, ``inspect`` and ``importlib.resources`` see exactly what
+they would without the overlay). Hooks may be lazy ``"module:function"`` strings, and they run
+outside the finder's lock. ``importlib.reload`` goes through ``find_spec`` too, so a reloaded
+target module is handed to its hooks again.
+
+``ATTN_OVERLAY=0`` turns the startup hook off (the engine checks it again when activated).
 """
 
 import os
 import sys
+import threading
+from functools import partial
 
 _OFF = ("0", "false", "no", "off")
+_ACTIVATE = "overlay.engine:activate_from_startup"
 
 
-class AttnOverlayStartupFinder:
-    """Meta-path finder that stays inert until ``transformers`` is imported, then delegates."""
-
-    _attn_overlay_finder = True
+class PostImportFinder:
+    """Meta-path finder that runs hooks right after watched modules execute."""
 
     def __init__(self):
-        self.delegate = None  # the engine's finder, once activated
-        self._activating = False
+        self._hooks = {}  # module name -> list of callables or "module:function" strings
+        self._lock = threading.Lock()
+        self._searching = threading.local()
+
+    def watch(self, name, hook):
+        """Run ``hook(module)`` each time module ``name`` executes (import or reload)."""
+        with self._lock:
+            hooks = self._hooks.setdefault(name, [])
+            if hook not in hooks:
+                hooks.append(hook)
+
+    def unwatch(self, name, hook):
+        with self._lock:
+            hooks = self._hooks.get(name, [])
+            if hook in hooks:
+                hooks.remove(hook)
+            if not hooks:
+                self._hooks.pop(name, None)
+
+    def watched(self):
+        with self._lock:
+            return {name: tuple(hooks) for name, hooks in self._hooks.items()}
 
     def find_spec(self, fullname, path=None, target=None):
-        delegate = self.delegate
-        if delegate is not None:
-            return delegate.find_spec(fullname, path, target)
-        if fullname != "transformers" or self._activating:
+        if fullname not in self._hooks:
             return None
-        self._activating = True
+        searching = self._searching.__dict__.setdefault("names", set())
+        if fullname in searching:  # our own search below reached us again
+            return None
+        searching.add(fullname)
         try:
-            if os.environ.get("ATTN_OVERLAY", "1").strip().lower() in _OFF:
-                return None
-            from overlay import engine
-
-            engine.activate_from_startup(self)
-            if self.delegate is not None:
-                return self.delegate.find_spec(fullname, path, target)
-        except Exception:  # never break `import transformers`; status says what happened
-            try:
-                from overlay import engine
-
-                engine.record_startup_failure(sys.exc_info()[1])
-            except Exception:
-                pass
+            spec = _find_spec_elsewhere(self, fullname, path, target)
         finally:
-            self._activating = False
-        return None
+            searching.discard(fullname)
+        loader = getattr(spec, "loader", None)
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return None
+        try:
+            loader.exec_module = partial(self._exec_then_run_hooks, loader, exec_module)
+        except (AttributeError, TypeError):  # a loader without an instance dict: unhookable
+            return None
+        return spec
+
+    def _exec_then_run_hooks(self, loader, exec_module, module):
+        try:
+            exec_module(module)
+        finally:
+            # Put the loader back as it was before anything else can look at the module.
+            if loader.__dict__.get("exec_module") is not exec_module:
+                loader.__dict__.pop("exec_module", None)
+        with self._lock:
+            hooks = list(self._hooks.get(module.__name__, ()))
+        for hook in hooks:  # outside the lock: a hook may import, and watch more modules
+            if isinstance(hook, str):
+                hook = _resolve(hook)
+            hook(module)
 
     def invalidate_caches(self):
         pass
+
+
+def _find_spec_elsewhere(me, fullname, path, target):
+    """Ask every other meta-path finder, in order, as the import system would."""
+    for finder in list(sys.meta_path):
+        if finder is me or isinstance(finder, PostImportFinder):
+            continue
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        spec = find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
+def _resolve(reference):
+    module_name, _, attribute = reference.partition(":")
+    __import__(module_name)
+    return getattr(sys.modules[module_name], attribute)
+
+
+def finder():
+    """The finder on ``sys.meta_path`` (one per process), or ``None``."""
+    for candidate in sys.meta_path:
+        if type(candidate).__name__ == "PostImportFinder" and hasattr(candidate, "watch"):
+            return candidate
+    return None
+
+
+def ensure_finder():
+    """The finder, put first on ``sys.meta_path`` if it is not there yet."""
+    current = finder()
+    if current is None:
+        current = PostImportFinder()
+        sys.meta_path.insert(0, current)
+    return current
+
+
+def activate_when_transformers_is_imported(module=None):
+    """The startup hook's one watch. Never raises: a failure is recorded by the engine."""
+    if os.environ.get("ATTN_OVERLAY", "1").strip().lower() in _OFF:
+        return
+    try:
+        shadow = shadowing_module()
+        if shadow is not None:
+            sys.stderr.write(shadow + "\n")
+            return
+        _resolve(_ACTIVATE)(module)
+    except Exception as exc:  # never break `import transformers`; status says what happened
+        try:
+            _resolve("overlay.engine:record_startup_failure")(exc)
+        except Exception:
+            pass
+
+
+def shadowing_module():
+    """A one-line explanation when ``import overlay`` would not find the overlay installed next
+    to this file (a user's ``overlay.py``, another distribution's ``overlay`` package), else ``None``."""
+    ours = os.path.join(os.path.dirname(os.path.abspath(__file__)), "overlay", "__init__.py")
+    if not os.path.exists(ours):  # a source tree without the package beside us: nothing to compare
+        return None
+    loaded = sys.modules.get("overlay")
+    if loaded is not None:
+        found = getattr(loaded, "__file__", None)
+    else:
+        import importlib.util
+
+        spec = importlib.util.find_spec("overlay")
+        found = getattr(spec, "origin", None)
+    if found is not None and os.path.realpath(found) == os.path.realpath(ours):
+        return None
+    if found is not None and _is_overlay_source_tree(found):
+        return None  # a clone of attn-overlay itself (working directory first on sys.path)
+    return (
+        f"attn-overlay: NOT active in this process: `import overlay` finds {found or 'nothing importable'}, "
+        f"not attn-overlay ({ours}). Rename that file or package (or remove it from sys.path); "
+        "`python -m overlay.apply` checks the result"
+    )
+
+
+def _is_overlay_source_tree(init_file):
+    try:
+        with open(init_file, encoding="utf-8") as handle:
+            return "attn-overlay" in handle.read(4096)
+    except OSError:
+        return False
 
 
 def install():
@@ -60,10 +185,7 @@ def install():
     try:
         if os.environ.get("ATTN_OVERLAY", "1").strip().lower() in _OFF:
             return
-        for finder in sys.meta_path:
-            if getattr(finder, "_attn_overlay_finder", False):
-                return
-        sys.meta_path.insert(0, AttnOverlayStartupFinder())
+        ensure_finder().watch("transformers", activate_when_transformers_is_imported)
     except Exception:
         pass
 

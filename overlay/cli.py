@@ -28,7 +28,7 @@ hooks are not processed, e.g. `python -S`, embedded interpreters, or ATTN_OVERLA
 _VERIFY_CODE = """
 import importlib, json, sys
 import overlay.engine as engine
-modules = sorted({p.module for p in engine._load_patches()})
+modules = sorted({p.module for p in engine.known_patches()})
 errors = {}
 for name in modules:
     try:
@@ -44,7 +44,7 @@ if not hook_active:
     engine.apply(strict=False)
 print(json.dumps({
     "hook_active": hook_active,
-    "startup_error": engine._engine.startup_error,
+    "startup_error": engine.activation_error(),
     "import_errors": errors,
     "status": [s.as_dict() for s in engine.status()],
 }))

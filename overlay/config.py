@@ -27,3 +27,11 @@ def strict_from_env() -> bool:
 def disabled_patch_ids() -> frozenset[str]:
     raw = os.environ.get(DISABLE_VAR, "")
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+#: ``ATTN_OVERLAY_REPORT=1``: at exit, print on stderr what each patch fixed in this process.
+REPORT_VAR = "ATTN_OVERLAY_REPORT"
+
+
+def report_at_exit() -> bool:
+    return os.environ.get(REPORT_VAR, "0").strip().lower() in _TRUE

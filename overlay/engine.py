@@ -17,8 +17,7 @@ from types import ModuleType
 from typing import Any, Iterable, Iterator
 
 from . import config
-from .importhook import PostImportFinder, startup_finder
-from .patch import PATCH_MARKER, Patch, Target, fingerprint
+from .patch import PATCH_MARKER, Patch, Target, fingerprint, function_of
 
 logger = logging.getLogger("overlay")
 
@@ -87,7 +86,11 @@ class _Engine:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.records: dict[str, _Record] = {}
-        self.finder: PostImportFinder | None = None
+        self.watching: set[str] = set()  # modules this engine watches on the import finder
+        self.suspended = False  # inside reverted(): watched modules are noted, not patched
+        self.imported_while_suspended: set[str] = set()
+        self.ever_patched: set[str] = set()  # modules this process has patched at least once
+        self.report_registered = False
         self.active = False
         self.strict = False
         self.version: str | None = None
@@ -159,10 +162,6 @@ def _resolve(module: ModuleType, target: Target) -> tuple[Any, str, Any]:
     return owner, name, namespace.get(name)
 
 
-def _function_of(raw: Any) -> Any:
-    return raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-
-
 def _rewrap_like(raw: Any, func: Any) -> Any:
     if isinstance(raw, staticmethod):
         return staticmethod(func)
@@ -171,8 +170,9 @@ def _rewrap_like(raw: Any, func: Any) -> Any:
     return func
 
 
-def _apply_patch(record: _Record, module: ModuleType) -> None:
-    """Check every target, then swap all of them or none. Updates ``record.status``."""
+def _apply_patch(record: _Record, module: ModuleType) -> bool:
+    """Check every target, then swap all of them or none. Updates ``record.status``; true when
+    this call swapped the targets."""
     patch = record.patch
     planned: list[tuple[Target, Any, str, Any]] = []
     variants: list[str] = []
@@ -182,22 +182,22 @@ def _apply_patch(record: _Record, module: ModuleType) -> None:
             if target.optional:
                 continue
             _set(record, UNRECOGNISED, f"{target.key} does not exist in this transformers release")
-            return
-        func = _function_of(raw)
+            return False
+        func = function_of(raw)
         marker = getattr(func, PATCH_MARKER, None)
         if marker == patch.id:
             # Already ours (re-entrant import, or a second engine copy): nothing to do.
             if record.status.state != APPLIED:
                 _set(record, APPLIED, "already applied in this process")
-            return
+            return False
         if marker is not None:
             _set(record, FAILED, f"{target.key} is already replaced by overlay patch {marker!r}")
-            return
+            return False
         try:
             digest = fingerprint(func)
         except (OSError, TypeError) as exc:
             _set(record, UNRECOGNISED, f"cannot read the source of {target.key}: {exc}")
-            return
+            return False
         if digest in target.fixed:
             _set(
                 record,
@@ -205,7 +205,7 @@ def _apply_patch(record: _Record, module: ModuleType) -> None:
                 f"{target.key} is already the fixed code (as in {target.fixed[digest]})",
                 variants=(target.fixed[digest],),
             )
-            return
+            return False
         if digest not in target.originals:
             _set(
                 record,
@@ -213,14 +213,14 @@ def _apply_patch(record: _Record, module: ModuleType) -> None:
                 f"{target.key} is not the code this patch was written for (sha256 {digest[:12]}); "
                 "not patched. Run scripts/fingerprint_release.py on this release, or report it",
             )
-            return
+            return False
         variants.append(target.originals[digest])
         planned.append((target, owner, name, raw))
 
     swaps: list[_Swap] = []
     try:
         for target, owner, name, raw in planned:
-            original = _function_of(raw)
+            original = function_of(raw)
             new = target.replace(original)
             if new is original or not callable(new):
                 raise OverlayError(f"replace() of {target.key} returned no new callable")
@@ -235,9 +235,11 @@ def _apply_patch(record: _Record, module: ModuleType) -> None:
             if vars(swap.owner).get(swap.name) is swap.replacement:
                 setattr(swap.owner, swap.name, swap.original)
         _set(record, FAILED, f"{type(exc).__name__}: {exc}")
-        return
+        return False
     record.swaps = swaps
+    _engine.ever_patched.add(module.__name__)
     _set(record, APPLIED, f"patched {', '.join(t.key for t, *_ in planned)}", variants=tuple(variants))
+    return True
 
 
 def _set(record: _Record, state: str, reason: str, variants: tuple[str, ...] = ()) -> None:
@@ -262,7 +264,8 @@ def _revert_record(record: _Record) -> None:
 # -- registry ------------------------------------------------------------------------------
 
 
-def _load_patches() -> tuple[Patch, ...]:
+def known_patches() -> tuple[Patch, ...]:
+    """Every patch this overlay ships (the patch files), in status-table order."""
     if _engine.patches is None:
         from .registry import load_patches
 
@@ -292,29 +295,46 @@ def _initial_record(patch: Patch, version: str | None, disabled: frozenset[str])
 
 
 def _on_module_executed(module: ModuleType) -> None:
+    """Post-import hook (see ``_attn_overlay_startup.PostImportFinder``): a watched module has
+    just executed, by a first import or by ``importlib.reload``."""
     with _engine.lock:
         if not _engine.active:
             return
+        if _engine.suspended:  # inside reverted(): patched when the block ends
+            _engine.imported_while_suspended.add(module.__name__)
+            return
+        _forget_reexecuted(module)
         _apply_for_module(module)
 
 
-def _apply_for_module(module: ModuleType, already_imported: bool = False) -> None:
+def _forget_reexecuted(module: ModuleType) -> None:
+    """After a reload the module holds new, stock functions: its applied records start over."""
+    for record in _engine.records.values():
+        if record.patch.module != module.__name__ or record.status.state != APPLIED or not record.swaps:
+            continue
+        current = [_resolve(module, target)[2] for target in record.patch.targets]
+        if all(raw is None or getattr(function_of(raw), PATCH_MARKER, None) == record.patch.id for raw in current):
+            continue
+        record.swaps = []  # the owners are the old module's objects: nothing to put back there
+        _set(record, PENDING, f"{module.__name__} was executed again (reload); patching the new code")
+
+
+def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> None:
     started = time.perf_counter()
-    applied: list[str] = []
+    swapped: list[str] = []
     for record in _engine.records.values():
         if record.patch.module != module.__name__ or record.status.state != PENDING:
             continue
-        _apply_patch(record, module)
-        if record.status.state == APPLIED:
-            applied.append(record.patch.id)
+        if _apply_patch(record, module):
+            swapped.append(record.patch.id)
         elif record.status.state in BAD_STATES:
             message = f"attn-overlay: patch {record.patch.id} not applied: {record.status.reason}"
             if _engine.strict:
                 raise OverlayError(message + " (strict mode)")
             logger.warning(message)
     _engine.last_apply_seconds[module.__name__] = time.perf_counter() - started
-    if applied:
-        if already_imported and module.__name__ not in _engine.warned_late_modules:
+    if swapped:
+        if imported_before and module.__name__ not in _engine.warned_late_modules:
             _engine.warned_late_modules.add(module.__name__)
             logger.warning(
                 "attn-overlay: %s was imported before the overlay was activated; objects that "
@@ -323,16 +343,16 @@ def _apply_for_module(module: ModuleType, already_imported: bool = False) -> Non
             )
         logger.info(
             "attn-overlay: patched %s in %s (transformers %s)",
-            ", ".join(applied),
+            ", ".join(swapped),
             module.__name__,
             _engine.version,
         )
 
 
-def _activate(strict: bool | None, only: Iterable[str] | None, startup: Any = None) -> None:
+def _activate(strict: bool | None, only: Iterable[str] | None, *, from_startup: bool = False) -> None:
     with _engine.lock:
         _engine.strict = config.strict_from_env() if strict is None else strict
-        patches = _load_patches()
+        patches = known_patches()
         known = {p.id for p in patches}
         wanted = set(only) if only is not None else known
         unknown = wanted - known
@@ -353,32 +373,49 @@ def _activate(strict: bool | None, only: Iterable[str] | None, startup: Any = No
             if record is None or record.status.state in (INACTIVE, DISABLED):
                 _engine.records[patch.id] = _initial_record(patch, _engine.version, disabled)
         _engine.active = True
-        finder = _ensure_finder(startup)
-        for record in _engine.records.values():
-            if record.status.state == PENDING:
-                finder.watch(record.patch.module, _on_module_executed)
+        _watch_pending()
+        if config.report_at_exit() and not _engine.report_registered:
+            import atexit
+
+            from . import report
+
+            atexit.register(report.print_report, patches)
+            _engine.report_registered = True
         for name in sorted({r.patch.module for r in _engine.records.values() if r.status.state == PENDING}):
             module = sys.modules.get(name)
             if module is not None:
-                _apply_for_module(module, already_imported=startup is None)
+                # Imported during `import transformers` itself (startup) is not late: nothing
+                # outside transformers can have captured a function yet.
+                _apply_for_module(module, imported_before=not from_startup and name not in _engine.ever_patched)
 
 
-def _ensure_finder(startup: Any) -> PostImportFinder:
-    if _engine.finder is None:
-        _engine.finder = PostImportFinder()
-    startup = startup or startup_finder()
-    if startup is not None:
-        startup.delegate = _engine.finder  # the startup finder forwards to us from now on
-    elif _engine.finder not in sys.meta_path:
-        sys.meta_path.insert(0, _engine.finder)
-    return _engine.finder
+def _watch_pending() -> None:
+    import _attn_overlay_startup as startup
+
+    finder = startup.ensure_finder()
+    for record in _engine.records.values():
+        if record.status.state == PENDING and record.patch.module not in _engine.watching:
+            finder.watch(record.patch.module, _on_module_executed)
+            _engine.watching.add(record.patch.module)
 
 
-def activate_from_startup(startup: Any) -> None:
-    """Called by the startup hook when ``transformers`` is first imported. Never raises
-    (except in strict mode, which asked for it)."""
+def _unwatch_all() -> None:
+    import _attn_overlay_startup as startup
+
+    finder = startup.finder()
+    if finder is not None:
+        for name in _engine.watching:
+            finder.unwatch(name, _on_module_executed)
+    _engine.watching.clear()
+
+
+def activate_from_startup(module: ModuleType | None = None) -> None:
+    """The startup hook's post-import hook on ``transformers``. Never raises (except in strict
+    mode, which asked for it)."""
     try:
-        _activate(strict=None, only=None, startup=startup)
+        if not config.auto_enabled():
+            return
+        _activate(strict=None, only=None, from_startup=True)
     except OverlayError:
         if config.strict_from_env():
             raise
@@ -390,6 +427,11 @@ def activate_from_startup(startup: Any) -> None:
 def record_startup_failure(exc: BaseException | None) -> None:
     _engine.startup_error = f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"
     logger.warning("attn-overlay: could not activate: %s (transformers runs unpatched)", _engine.startup_error)
+
+
+def activation_error() -> str | None:
+    """Why the startup hook could not activate the overlay in this process, or ``None``."""
+    return _engine.startup_error
 
 
 # -- public API ----------------------------------------------------------------------------
@@ -422,10 +464,9 @@ def revert(only: Iterable[str] | None = None) -> list[PatchStatus]:
                 continue
             _revert_record(record)
             _set(record, INACTIVE, "reverted")
-        if all(r.status.state in (INACTIVE,) for r in _engine.records.values()):
+        if all(r.status.state == INACTIVE for r in _engine.records.values()):
             _engine.active = False
-            if _engine.finder is not None:
-                _engine.finder.unwatch_all()
+            _unwatch_all()
         return status()
 
 
@@ -435,7 +476,7 @@ def status() -> list[PatchStatus]:
         if not _engine.records:
             version = installed_transformers_version()
             out = []
-            for patch in _load_patches():
+            for patch in known_patches():
                 record = _initial_record(patch, version, config.disabled_patch_ids())
                 reason = _engine.startup_error or "overlay not activated in this process"
                 out.append(replace(record.status, state=INACTIVE, reason=f"{reason}; would be: {record.status.state} ({record.status.reason})"))
@@ -467,15 +508,30 @@ def applied(*, only: Iterable[str] | None = None, strict: bool | None = None) ->
 
 @contextlib.contextmanager
 def reverted() -> Iterator[None]:
-    """Run a block on stock transformers (e.g. a control run while the startup hook is active)."""
+    """Run a block on stock transformers (e.g. a control run while the startup hook is active).
+
+    Inside the block every patched function is the original, and a target module first imported
+    there stays stock too; when the block ends, both are patched again (no late-import warning:
+    the block asked for stock)."""
     with _engine.lock:
         was = [pid for pid, r in _engine.records.items() if r.status.state == APPLIED]
         revert(only=was)
+        previously_suspended = _engine.suspended
+        _engine.suspended = True
     try:
         yield
     finally:
-        if was:
-            apply(only=was)
+        with _engine.lock:
+            _engine.suspended = previously_suspended
+            imported = sorted(_engine.imported_while_suspended)
+            _engine.imported_while_suspended.clear()
+            if was:
+                apply(only=was)
+            if _engine.active and not _engine.suspended:
+                for name in imported:
+                    module = sys.modules.get(name)
+                    if module is not None:
+                        _apply_for_module(module)
 
 
 @contextlib.contextmanager
@@ -489,15 +545,20 @@ def isolated(patches: Iterable[Patch], *, distribution: str = TRANSFORMERS) -> I
     fresh.distribution = distribution
     with previous.lock:
         _engine = fresh
-        startup = startup_finder()
-        previous_finder_delegate = startup.delegate if startup is not None else None
     try:
         yield
     finally:
         with fresh.lock:
             revert()
-            if fresh.finder is not None and fresh.finder in sys.meta_path:
-                sys.meta_path.remove(fresh.finder)
+            _unwatch_all()
         _engine = previous
-        if startup is not None:
-            startup.delegate = previous_finder_delegate
+        with previous.lock:
+            # Both engines watch through the same callback: put back what the fresh one removed.
+            watching, previous.watching = set(previous.watching), set()
+            if watching:
+                import _attn_overlay_startup as startup
+
+                finder = startup.ensure_finder()
+                for name in watching:
+                    finder.watch(name, _on_module_executed)
+                previous.watching = watching

@@ -8,7 +8,7 @@ from .patch import Patch
 
 
 def load_patches() -> tuple[Patch, ...]:
-    from overlay import patches as package
+    from . import patches as package
 
     found: list[Patch] = []
     seen: set[str] = set()

@@ -313,17 +313,65 @@ def test_a_patch_spanning_two_modules_is_refused():
         )
 
 
-def test_an_isolated_engine_hooks_imports_even_when_the_real_engine_is_active(toy):
-    # The real engine's finder is on sys.meta_path once anything called overlay.apply(); a second
-    # engine must still see its own modules being imported.
-    from overlay.importhook import PostImportFinder
+def _post_import_finders():
+    return [f for f in sys.meta_path if type(f).__name__ == "PostImportFinder"]
 
-    other = PostImportFinder()
-    sys.meta_path.insert(0, other)
+
+def test_one_finder_serves_every_engine_and_isolation_restores_its_watches(toy):
+    # The real engine watches through the one finder on sys.meta_path; an isolated engine (the
+    # tests' own) registers on the same finder and gives back exactly what was there.
+    import _attn_overlay_startup as startup
+
+    finder = startup.ensure_finder()
+    finder.watch("some.module.nobody.imports", print)
+    before = finder.watched()
     try:
         with engine.isolated([toy_patch(toy)], distribution=toy.name):
             engine.apply()
+            assert _post_import_finders() == [finder]
+            assert toy.module in finder.watched()
             core = toy.import_core()
             assert core.Mixin().compute(1) == 3
+        assert finder.watched() == before
+        assert _post_import_finders() == [finder]
     finally:
-        sys.meta_path.remove(other)
+        finder.unwatch("some.module.nobody.imports", print)
+
+
+def test_reload_of_a_patched_module_patches_the_new_code(toy):
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        engine.apply()
+        core = toy.import_core()
+        assert core.Mixin().compute(1) == 3
+        core = importlib.reload(core)
+        # Stock would compute 2 here: the reload re-executed the module with the original code.
+        assert core.Mixin().compute(1) == 3
+        assert getattr(core.Mixin.__dict__["compute"], PATCH_MARKER) == "toy-add-two"
+        assert _state().state == engine.APPLIED
+        engine.revert()
+        assert core.Mixin().compute(1) == 2
+
+
+def test_reverted_block_keeps_a_module_first_imported_inside_it_stock(toy, caplog):
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        engine.apply()
+        caplog.set_level(logging.INFO, logger="overlay")
+        with engine.reverted():
+            core = toy.import_core()  # pending when the block started
+            assert core.Mixin().compute(1) == 2
+        assert core.Mixin().compute(1) == 3
+        assert _state().state == engine.APPLIED
+        assert "imported before the overlay was activated" not in caplog.text
+
+
+def test_reverted_block_and_a_second_apply_log_no_late_import_warning(toy, caplog):
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        engine.apply()
+        core = toy.import_core()
+        caplog.set_level(logging.INFO, logger="overlay")
+        with engine.reverted():
+            assert core.Mixin().compute(1) == 2
+        assert core.Mixin().compute(1) == 3
+        engine.apply()  # a program calling apply() in a process the startup hook patched
+        assert core.Mixin().compute(1) == 3
+        assert "imported before the overlay was activated" not in caplog.text

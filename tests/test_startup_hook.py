@@ -17,7 +17,7 @@ STATUS_AFTER_IMPORT = textwrap.dedent(
     import overlay.engine as engine
     print(json.dumps({"active": engine.is_active(),
                       "states": {s.id: s.state for s in engine.status()},
-                      "startup_error": engine._engine.startup_error}))
+                      "startup_error": engine.activation_error()}))
     """
 )
 
@@ -85,7 +85,7 @@ def test_hook_is_active_without_importing_overlay(fresh):
 def test_hook_does_not_import_heavy_modules_at_startup(fresh):
     done = fresh.run("-c", "import sys, json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch','transformers','packaging','overlay','importlib_metadata'))))")
     assert _last_json(done) == []
-    done = fresh.run("-c", "import sys; print(any(getattr(f, '_attn_overlay_finder', False) for f in sys.meta_path))")
+    done = fresh.run("-c", "import sys; print(any(type(f).__name__ == 'PostImportFinder' for f in sys.meta_path))")
     assert done.stdout.strip() == "True"
 
 

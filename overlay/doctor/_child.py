@@ -115,7 +115,7 @@ def _add_overlay_status(spec: dict, result: dict) -> None:
         if spec["mode"] == "with" and spec.get("import_all_targets"):
             # Import every module a patch targets, so that each status is final (applied, fixed
             # upstream, ...) rather than "pending".
-            for module in sorted({p.module for p in engine._load_patches()}):
+            for module in sorted({p.module for p in engine.known_patches()}):
                 try:
                     importlib.import_module(module)
                 except Exception:

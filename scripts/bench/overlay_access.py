@@ -48,7 +48,7 @@ def quiet_overlay_logs() -> None:
 def registered_patch_ids() -> list[str]:
     from overlay import engine
 
-    return [p.id for p in engine._load_patches()]
+    return [p.id for p in engine.known_patches()]
 
 
 def patch_files_on_disk() -> list[str]:

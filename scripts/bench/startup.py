@@ -49,11 +49,11 @@ result = {"import_s": seconds, "active": bool(engine and engine.is_active())}
 if engine is not None:
     result["apply_s"] = engine.apply_timings()
     result["states"] = {s.id: s.state for s in engine.status()}
-    result["startup_error"] = engine._engine.startup_error
+    result["startup_error"] = engine.activation_error()
 print(json.dumps(result))
 """
 
-_HOOK_PROBE = "import sys; print(any(getattr(f, '_attn_overlay_finder', False) for f in sys.meta_path))"
+_HOOK_PROBE = "import sys; print(any(type(f).__name__ == 'PostImportFinder' for f in sys.meta_path))"
 
 
 def settings(smoke: bool) -> dict[str, Any]:
