@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import io
 import linecache
 import textwrap
 from types import CodeType
@@ -95,11 +96,11 @@ def source_of(func: Callable[..., Any]) -> str:
     its last statement, exactly what :func:`inspect.getblock` returns (:func:`block_at`). It is
     found from the code object's own line table (:func:`block_end`) instead of by tokenizing, and
     without :func:`inspect.getsource`, which scans ``sys.modules``: both are far too slow for an
-    import hook (tens of milliseconds for a long method). ``scripts/fingerprint_release.py`` reads
-    release wheels without importing them and compiles the module text to get the same code
-    objects (:func:`source_in_module_text`), so both sides hash identical text.
+    import hook (tens of milliseconds for a long method). ``scripts/fingerprint_release.py``
+    reads release wheels without importing them through :func:`source_in_module_text`, which
+    cuts the same block out of the same lines with :func:`block_of_code`.
     """
-    func = inspect.unwrap(_underlying_function(func), stop=lambda f: hasattr(f, PATCH_MARKER))
+    func = inspect.unwrap(function_of(func), stop=lambda f: hasattr(f, PATCH_MARKER))
     code = func.__code__
     lines = linecache.getlines(code.co_filename)
     if not lines:
@@ -140,28 +141,42 @@ def block_at(lines: list[str], first_lineno: int) -> str:
 
 def source_in_module_text(text: str, filename: str, qualname: str) -> str | None:
     """:func:`source_of` for the function ``qualname`` defined in a module's source ``text``,
-    without importing it (e.g. read from a release wheel). ``None`` when no such function.
+    without importing it (``scripts/fingerprint_release.py`` reads it from a release wheel).
+    ``None`` when the module defines no such function.
 
-    Lines are split as a text-mode file read splits them (``\\n`` only, as linecache does), and
-    when a name is defined twice the last definition wins, as it does at import time.
+    The lines are split as :mod:`linecache` splits them for :func:`source_of` at run time
+    (universal newlines, the last line ending in ``\\n``), the code object is the one the
+    module creates when it runs (:func:`code_in_module`), and the same :func:`block_of_code`
+    cuts the block: both sides hash identical text.
     """
-    import io
-
-    module_code = compile(text, filename, "exec", dont_inherit=True)
     lines = io.StringIO(text, newline=None).readlines()
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    code = code_in_module(compile("".join(lines), filename, "exec", dont_inherit=True), qualname)
+    return None if code is None else block_of_code(lines, code)
+
+
+def code_in_module(module_code: CodeType, qualname: str) -> CodeType | None:
+    """The code object of the function ``qualname`` (``"Class.method"``,
+    ``"factory.<locals>.inner"``) inside a compiled module. When the name is defined more than
+    once, the last definition in the file wins, as a redefinition does when the module runs (of
+    definitions in ``if``/``else`` branches, too: the file does not say which branch runs)."""
     found: CodeType | None = None
-    pending = [module_code]
+    pending: list[tuple[str, CodeType]] = [("", module_code)]
     while pending:
-        current = pending.pop()
+        prefix, current = pending.pop()
         for const in current.co_consts:
             if not isinstance(const, CodeType):
                 continue
-            if getattr(const, "co_qualname", None) == qualname and (
-                found is None or const.co_firstlineno > found.co_firstlineno
-            ):
+            # Qualified names as the compiler gives them (co_qualname, Python 3.11+), rebuilt
+            # here so that Python 3.10 reads wheels too: a function's children sit in its
+            # "<locals>", a class body's and the module's do not.
+            name = prefix + const.co_name
+            if name == qualname and (found is None or const.co_firstlineno > found.co_firstlineno):
                 found = const
-            pending.append(const)
-    return block_of_code(lines, found) if found is not None else None
+            inner = ".<locals>." if const.co_flags & inspect.CO_NEWLOCALS else "."
+            pending.append((name + inner, const))
+    return found
 
 
 def fingerprint_source(source: str) -> str:
@@ -173,10 +188,10 @@ def fingerprint(func: Callable[..., Any]) -> str:
     return fingerprint_source(source_of(func))
 
 
-def _underlying_function(obj: Any) -> Any:
-    if isinstance(obj, (staticmethod, classmethod)):
-        return obj.__func__
-    return obj
+def function_of(raw: Any) -> Any:
+    """The function behind a class attribute as found in the class's ``__dict__``: the
+    ``__func__`` of a ``staticmethod`` or ``classmethod``, anything else as it is."""
+    return raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
 
 
 def wraps(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

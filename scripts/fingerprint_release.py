@@ -14,12 +14,11 @@ same fix still right) or write a new variant of the replacement. ``--check`` exi
 target is NEW or missing, disagrees with the patch's declared versions (``affected``,
 ``fixed_in``), or matches a variant whose label does not name the release.
 
-The fingerprint is computed exactly as the engine computes it at run time: the file's lines as
-``linecache`` gives them, the code object the module would create for the definition (found by
-compiling the file; when a name is defined twice, the last definition, as at run time), and the
-engine's own function to cut that code's block out of the lines, then
-``overlay.patch.fingerprint_source``. ``tests/test_fingerprint_tool.py`` proves the two agree on
-the installed release.
+The fingerprint is the engine's own: the file's text goes through
+``overlay.patch.source_in_module_text`` (the code object the module creates, its block cut out
+by the function that cuts it at run time) and ``overlay.patch.fingerprint_source``; this script
+only finds and decodes the file. ``tests/test_fingerprint_tool.py`` proves the two agree on the
+installed release.
 
 Other sources than a version number: a path to a wheel file, or ``--installed`` for the
 transformers installed next to this interpreter (read from its files, not imported).
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import functools
 import io
 import json
 import os
@@ -40,7 +38,6 @@ import tokenize
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import CodeType
 from typing import Callable, Iterable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import matrix_data  # noqa: E402  (the scripts folder is not a package)
 
 matrix_data.ensure_overlay_importable()
+
+from overlay.patch import Patch, code_in_module, fingerprint_source, source_in_module_text  # noqa: E402
 
 DEFAULT_WHEEL_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attn-overlay" / "wheels"
 
@@ -63,7 +62,7 @@ ABSENT_OPTIONAL = "absent (optional)"  # missing, and the target says that is fi
 ReadFile = Callable[[str], "bytes | None"]
 
 
-# -- extraction (shared with the tests) --------------------------------------------------------
+# -- extraction: the engine's own functions on a release's files ------------------------------
 
 
 def module_file_candidates(module: str) -> tuple[str, str]:
@@ -83,85 +82,28 @@ def source_lines(data: bytes) -> list[str]:
     return lines
 
 
-_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-
-
-def _definitions_in(body: list[ast.stmt], name: str) -> list[ast.stmt]:
-    """Definitions of ``name`` in a module or class body, in source order, including those
-    inside ``if``/``try``/``with`` blocks of that body (conditional definitions), but not inside
-    functions."""
-    found: list[ast.stmt] = []
-    for node in body:
-        if isinstance(node, _DEFINITIONS):
-            if node.name == name:
-                found.append(node)
-        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.AsyncWith)) or type(node).__name__ == "TryStar":
-            for block in ("body", "orelse", "finalbody"):
-                found.extend(_definitions_in(getattr(node, block, []) or [], name))
-            for handler in getattr(node, "handlers", []) or []:
-                found.extend(_definitions_in(handler.body, name))
-    return found
-
-
-def definition_first_line(tree: ast.Module, qualname: str) -> int | None:
-    """1-based first line of ``qualname``'s definition (its first decorator, if any): the line
-    CPython records as the function's ``co_firstlineno``. When a name is defined more than once
-    the last definition wins, as it does when the module executes."""
-    body: list[ast.stmt] = tree.body
-    node: ast.stmt | None = None
-    for part in qualname.split("."):
-        candidates = _definitions_in(body, part)
-        if not candidates:
-            return None
-        node = candidates[-1]
-        body = node.body
-    assert node is not None
-    return min([node.lineno, *(d.lineno for d in node.decorator_list)])
-
-
 def extract_target_source(read: ReadFile, module: str, qualname: str) -> str | None:
     """The dedented source block of ``module:qualname`` from a release's files, exactly as the
-    engine reads it at run time; ``None`` when the release has no such module or definition."""
+    engine reads it at run time (the engine's own :func:`overlay.patch.source_in_module_text`);
+    ``None`` when the release has no such module or definition."""
     for candidate in module_file_candidates(module):
         data = read(candidate)
         if data is not None:
-            break
-    else:
-        return None
-    lines, tree, codes = _compiled(data, candidate)
-    first = definition_first_line(tree, qualname)
-    if first is None:
-        return None
-    name = qualname.rsplit(".", 1)[-1]
-    code = next((c for c in codes if c.co_firstlineno == first and c.co_name == name), None)
-    if code is None:
-        return None
-    # The same code object the module creates when it runs, and the engine's own function to cut
-    # its block out of the same lines: identical text, whatever rule decides where a block ends.
-    from overlay.patch import block_of_code
-
-    return block_of_code(list(lines), code)
-
-
-@functools.lru_cache(maxsize=16)
-def _compiled(data: bytes, filename: str) -> tuple[tuple[str, ...], ast.Module, tuple[CodeType, ...]]:
-    # Several targets live in one module: read, parse and compile each file once.
-    lines = source_lines(data)
-    text = "".join(lines)
-    codes: list[CodeType] = []
-    pending = [compile(text, filename, "exec", dont_inherit=True)]
-    while pending:
-        current = pending.pop()
-        codes.append(current)
-        pending.extend(c for c in current.co_consts if isinstance(c, CodeType))
-    return tuple(lines), ast.parse(text), tuple(codes)
+            return source_in_module_text("".join(source_lines(data)), candidate, qualname)
+    return None
 
 
 def target_fingerprint(read: ReadFile, module: str, qualname: str) -> str | None:
-    from overlay.patch import fingerprint_source
-
     source = extract_target_source(read, module, qualname)
     return None if source is None else fingerprint_source(source)
+
+
+def definition_first_line(tree: ast.Module, qualname: str) -> int | None:
+    """1-based first line (first decorator) of the definition of ``qualname`` that the module
+    binds, found as the engine's fingerprint finds it; ``None`` when there is none. The tests
+    use it to change one target's code."""
+    code = code_in_module(compile(tree, "<module>", "exec", dont_inherit=True), qualname)
+    return None if code is None else code.co_firstlineno
 
 
 def wheel_reader(wheel: Path) -> ReadFile:
@@ -317,8 +259,6 @@ def report_release(version: str, read: ReadFile, source: str, patches: Sequence 
 def load_patch_module(name: str):
     """The ``PATCH`` of ``patches/<name>.py`` (``name`` may carry the ``.py`` or a folder)."""
     import importlib
-
-    from overlay.patch import Patch
 
     module = importlib.import_module(f"overlay.patches.{Path(name).stem}")
     patch = getattr(module, "PATCH", None)

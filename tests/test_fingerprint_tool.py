@@ -23,7 +23,7 @@ import fingerprint_release as tool  # noqa: E402
 import matrix_data  # noqa: E402
 
 import overlay  # noqa: E402
-from overlay.patch import fingerprint  # noqa: E402
+from overlay.patch import fingerprint, function_of  # noqa: E402
 
 PATCHES = matrix_data.load_patches()
 TARGETS = [(patch, target) for patch in PATCHES for target in patch.targets]
@@ -38,8 +38,7 @@ def _runtime_function(target):
         owner = getattr(owner, part, None)
         if owner is None:
             return None
-    raw = vars(owner).get(name)
-    return raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    return function_of(vars(owner).get(name))
 
 
 @pytest.mark.parametrize("patch,target", TARGETS, ids=[f"{p.id}:{t.qualname}" for p, t in TARGETS])
@@ -57,7 +56,8 @@ def test_extraction_from_files_equals_runtime_fingerprint(patch, target):
 def test_extraction_matches_runtime_on_decorated_nested_and_redefined_code(tmp_path, monkeypatch):
     # The cases where "the first line of the definition" is easy to get wrong: decorators
     # (CPython starts the code object at the first one), a class inside a class, a name
-    # defined twice (the last one wins), a definition inside an `if` at module level.
+    # defined twice (the last one wins), a definition inside an `if` at module level, a function
+    # defined inside a function.
     source = textwrap.dedent(
         '''
         import functools
@@ -87,6 +87,11 @@ def test_extraction_matches_runtime_on_decorated_nested_and_redefined_code(tmp_p
         if True:
             def conditional(a):
                 return a
+
+        def factory():
+            def made(b):
+                return [b for _ in range(2)]
+            return made
         '''
     )
     (tmp_path / "fp_toy_module.py").write_text(source)
@@ -98,6 +103,7 @@ def test_extraction_matches_runtime_on_decorated_nested_and_redefined_code(tmp_p
         "Outer.Inner.method": toy.Outer.Inner.__dict__["method"].__func__,
         "twice": toy.twice,
         "conditional": toy.conditional,
+        "factory.<locals>.made": toy.factory(),
     }
     for qualname, func in cases.items():
         assert tool.target_fingerprint(read, "fp_toy_module", qualname) == fingerprint(func), qualname
