@@ -26,7 +26,8 @@ TRANSFORMERS = "transformers"
 # Status values, in the words the table prints.
 APPLIED = "applied"
 FIXED_UPSTREAM = "fixed upstream"
-NOT_AFFECTED = "not affected"
+OUT_OF_RANGE = "out of range"  # the release is outside the patch's declared range: nothing checked
+NOT_INSTALLED = "not installed"  # transformers is not installed: nothing to patch
 UNRECOGNISED = "unrecognised code"
 FAILED = "failed"
 PENDING = "pending"  # version in range; target module not imported yet
@@ -122,7 +123,7 @@ def installed_transformers_version() -> str | None:
 def gate(patch: Patch, installed: str | None) -> tuple[str, str]:
     """Decide from the version alone: (state, reason). ``PENDING`` means "check the code next"."""
     if installed is None:
-        return NOT_AFFECTED, f"{_engine.distribution} is not installed"
+        return NOT_INSTALLED, f"{_engine.distribution} is not installed"
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
     from packaging.version import InvalidVersion, Version
 
@@ -144,7 +145,7 @@ def gate(patch: Patch, installed: str | None) -> tuple[str, str]:
         return PENDING, f"transformers {installed} is in {patch.affected}"
     if patch.fixed_in is not None and Version(version.base_version) >= Version(patch.fixed_in):
         return FIXED_UPSTREAM, f"transformers {installed} includes the upstream fix (since {patch.fixed_in})"
-    return NOT_AFFECTED, f"transformers {installed} is outside {patch.affected}"
+    return OUT_OF_RANGE, f"transformers {installed} is outside {patch.affected}, the releases this patch was written for"
 
 
 # -- resolving and swapping targets -----------------------------------------------------------

@@ -70,7 +70,7 @@ def test_replacement_keeps_name_doc_signature_and_marker(toy):
 @pytest.mark.parametrize(
     ("version", "expected"),
     [
-        ("0.9", engine.NOT_AFFECTED),
+        ("0.9", engine.OUT_OF_RANGE),
         ("2.0", engine.FIXED_UPSTREAM),
         ("2.3.1", engine.FIXED_UPSTREAM),
         ("1.9.0.dev0", engine.APPLIED),  # dev build of an affected release
@@ -99,7 +99,7 @@ def test_distribution_not_installed_is_not_affected_and_import_still_works(toy):
         core = toy.import_core()
         assert core.Mixin().compute(1) == 2
         state = _state()
-        assert state.state == engine.NOT_AFFECTED
+        assert state.state == engine.NOT_INSTALLED
         assert "surely-not-installed-dist is not installed" in state.reason
 
 

@@ -60,7 +60,7 @@ def _last_json(done):
 
 def _expected_active_states():
     """Every patch must end in a good state once its module is imported: never bad, never pending."""
-    return {"applied", "fixed upstream", "not affected"}
+    return {"applied", "fixed upstream", "out of range"}
 
 
 def test_wheel_puts_the_hook_at_the_root_of_site_packages(fresh):
@@ -106,14 +106,16 @@ def test_attn_overlay_0_turns_it_off(fresh):
 def test_apply_cli_verifies_the_hook(fresh):
     done = fresh.run("-m", "overlay.apply", "--json", "--strict")
     report = json.loads(done.stdout)
-    assert report["hook_active"] is True
+    assert report["hook"] == {"active": True, "verified": True, "reason": None}
+    assert {row["state"] for row in report["patches"]} <= _expected_active_states()
     done = fresh.run("-m", "overlay.apply", "--strict", env={"ATTN_OVERLAY": "0"}, check=False)
     assert done.returncode == 1
-    assert "startup hook: NOT active (ATTN_OVERLAY=0 is set)" in done.stdout
-    # The table still says what overlay.apply() would do here, patch by patch.
+    assert "startup hook: NOT active: ATTN_OVERLAY=0 is set" in done.stdout
+    # No process gets the patches: the table never says "applied", but what they would reach.
     report = json.loads(fresh.run("-m", "overlay.apply", "--json", env={"ATTN_OVERLAY": "0"}).stdout)
-    assert report["hook_active"] is False
-    assert {row["state"] for row in report["status"]} <= _expected_active_states()
+    assert report["hook"]["active"] is False and "ATTN_OVERLAY=0" in report["hook"]["reason"]
+    assert {row["state"] for row in report["patches"]} == {"inactive"}
+    assert {row["would_be"] for row in report["patches"]} <= _expected_active_states()
 
 
 def test_apply_cli_runs_a_program_with_patches_applied(fresh, tmp_path):
@@ -145,8 +147,9 @@ def test_transformers_not_installed(tmp_path, wheel):
     done = env.run("-m", "overlay.apply", "--json", check=False)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["transformers"] is None
-    assert report["note"] == "transformers is not installed: nothing to patch"
+    assert report["transformers_version"] is None
+    assert report["hook"]["reason"] == "transformers is not installed: nothing to patch"
+    assert {row["state"] for row in report["patches"]} == {"inactive"}
 
 
 def test_hook_file_left_behind_after_the_package_is_gone(tmp_path, wheel):
@@ -206,3 +209,73 @@ def test_read_only_site_packages(tmp_path, wheel):
     result = _last_json(done)
     assert result["active"] is True and result["startup_error"] is None
     assert not list(env.site_packages.rglob("__pycache__"))
+
+
+REPORT_KEYS = {"schema", "overlay_version", "python", "transformers_version", "hook", "patches", "import_errors", "ok"}
+
+
+def test_json_report_has_one_schema_in_every_case(fresh, tmp_path):
+    import overlay
+
+    cases = {
+        "active": fresh.run("-m", "overlay.apply", "--json"),
+        "off": fresh.run("-m", "overlay.apply", "--json", env={"ATTN_OVERLAY": "0"}),
+        "no-verify": fresh.run("-m", "overlay.apply", "--json", "--no-verify"),
+    }
+    for name, done in cases.items():
+        report = json.loads(done.stdout)
+        assert set(report) == REPORT_KEYS, name
+        assert report["schema"] == 1 and report["overlay_version"] == overlay.__version__, name
+    assert fresh.run("-m", "overlay", "--version").stdout.strip() == f"attn-overlay {overlay.__version__}"
+
+
+def test_piping_into_head_prints_no_traceback(fresh):
+    import subprocess
+
+    done = subprocess.run(
+        f"{fresh.python} -m overlay.apply --json --no-verify | head -n 1", shell=True,
+        capture_output=True, text=True, timeout=240, cwd=str(fresh.root),
+    )
+    assert done.stdout.strip() == "{"
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+
+
+def test_a_stray_overlay_py_next_to_the_script_is_named_on_stderr(fresh, tmp_path):
+    # The user's own overlay.py shadows the package name: the fixes cannot load, and the user
+    # is told which file does it instead of running unpatched in silence.
+    (tmp_path / "overlay.py").write_text("USERS_OWN = True\n")
+    (tmp_path / "prog.py").write_text(
+        "import overlay, transformers.cache_utils as c\n"
+        "print(overlay.USERS_OWN, hasattr(c.Cache.update, '__overlay_patch__'))\n"
+    )
+    done = fresh.run(str(tmp_path / "prog.py"), cwd=str(tmp_path))
+    assert done.stdout.split() == ["True", "False"]  # the user's module stays theirs
+    (line,) = [l for l in done.stderr.splitlines() if l.startswith("attn-overlay:")]
+    assert str(tmp_path / "overlay.py") in line and "NOT active" in line and "Rename" in line
+    # Elsewhere the same script's process is patched.
+    (tmp_path / "overlay.py").unlink()
+    done = fresh.run("-c", "import transformers.cache_utils as c; print(hasattr(c.Cache.update, '__overlay_patch__'))",
+                     cwd=str(tmp_path))
+    assert done.stdout.split() == ["True"] and "attn-overlay" not in done.stderr
+
+
+@pytest.mark.parametrize("flag, active", [("-S", False), ("-I", True), ("-E", True)])
+def test_verification_runs_with_the_callers_interpreter_flags(fresh, flag, active):
+    # With -S site-packages (and the startup hook) are not read at all: the verification child
+    # must get -S too, or it reports a hook the caller's processes never run.
+    import overlay
+
+    package_root = str(__import__("pathlib").Path(overlay.__file__).parent.parent)
+    code = (
+        "import sys, json; sys.path[:0] = [%r]; sys.argv = ['x', '--json'];"
+        "import overlay.cli as c; from overlay import engine;"
+        "print(json.dumps({'flags': c.interpreter_flags(), 'active': c._verify_in_subprocess().get('hook_active'),"
+        " 'why': c.why_the_hook_is_inactive()}))"
+    ) % package_root
+    result = _last_json(fresh.run(flag, "-c", code))
+    assert flag in result["flags"] or (flag == "-I" and "-I" in result["flags"])
+    if flag == "-S":
+        assert result["active"] in (False, None)
+        assert "-S" in result["why"]
+    else:
+        assert result["active"] is True
