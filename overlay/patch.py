@@ -55,7 +55,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Patch:
-    """Everything about one fix. See ``patches/`` for real ones and the README for the rules."""
+    """Everything about one fix. See ``patches/`` for real ones and CONTRIBUTING.md for adding one."""
 
     id: str
     """Short stable identifier, e.g. ``"device-move-nested"``; used by status, logs and opt-outs."""
@@ -63,7 +63,9 @@ class Patch:
     errors: tuple[str, ...]
     """The exact error texts users hit (what they paste into a search box)."""
     why: str
-    """One paragraph: the cause."""
+    """One sentence: the cause. The patch module's docstring tells the rest (what breaks, what
+    the replacement does and costs), and the README's table of fixes is generated from the other
+    fields (``scripts/readme_table.py``): nothing is explained twice."""
     upstream: str
     """Upstream issue / pull request reference."""
     affected: str

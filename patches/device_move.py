@@ -113,11 +113,9 @@ PATCH = Patch(
         "attn_bias is on cpu, different from other tensors on cuda:0",
     ),
     why=(
-        "With a compilable (static) cache, prepare_inputs_for_generation builds the attention masks "
-        "itself, on the device of input_ids; for configs with layer_types (Gemma 3, Qwen 3, ...) they "
-        "come back as a dict keyed by layer type. Its final step moves only top-level tensors to the "
-        "model device, so host-side inputs leave the nested masks on the host and attention fails "
-        "with a device mismatch."
+        "prepare_inputs_for_generation moves only the top-level tensors of its result to the model "
+        "device, so with host-side inputs the per-layer-type masks it nests in a dict (static cache, "
+        "layer_types) stay on the host."
     ),
     upstream="fixed in transformers 5.20.0 (transformers.pytorch_utils.move_to_device in "
     "GenerationMixin.prepare_inputs_for_generation)",

@@ -135,11 +135,9 @@ PATCH = Patch(
         "ValueError: Incompatible shapes for broadcasting",
     ),
     why=(
-        "With prefill_chunk_size, generate() eagerly allocates the static cache with the KV heads "
-        "divided by tp_size whatever the tensor parallel plan says. Plans that leave attention "
-        "unsharded, or gather the key projection's output (colwise_gather_output, the shipped plan "
-        "of OLMo2/OLMo3, OLMoE, FlexOlmo, MiniMax-M2), give every rank all the heads, so the cache "
-        "holds too few and the first cache write fails."
+        "With prefill_chunk_size, generate() sizes the eagerly allocated static cache from the model's "
+        "_tp_size alone, not from the tensor parallel plan, so its KV heads can differ from those each "
+        "rank's keys hold."
     ),
     upstream="fixed in transformers 5.20.0 (distributed.tensor_parallel.get_kv_heads_per_rank)",
     affected=">=5.13.0,<5.20.0",

@@ -20,8 +20,10 @@ by the function that cuts it at run time) and ``overlay.patch.fingerprint_source
 only finds and decodes the file. ``tests/test_fingerprint_tool.py`` proves the two agree on the
 installed release.
 
-Other sources than a version number: a path to a wheel file, or ``--installed`` for the
-transformers installed next to this interpreter (read from its files, not imported).
+Other sources than a version number: ``--all`` for every release of the matrix
+(``scripts/matrix_data.py``), a path to a wheel file, or ``--installed`` for the transformers
+installed next to this interpreter (read from its files, not imported). ``--patch NAME`` reports
+one patch file only, listed in ``patches/__init__.py`` or not yet (CONTRIBUTING.md: adding a patch).
 """
 
 from __future__ import annotations
@@ -282,8 +284,9 @@ def fetch_wheel(version: str, wheel_dir: Path, timeout: float = 600) -> Path:
         return wheel
     wheel_dir.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-         "--disable-pip-version-check", "--dest", str(wheel_dir), f"transformers=={version}"],
+        # Never installed, only read: the release's Requires-Python is not this interpreter's concern.
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--ignore-requires-python",
+         "--no-input", "--disable-pip-version-check", "--dest", str(wheel_dir), f"transformers=={version}"],
         capture_output=True, text=True, timeout=timeout,
     )
     wheel = find_wheel(version, wheel_dir)
@@ -350,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("releases", nargs="*", metavar="VERSION",
                         help="transformers release numbers (e.g. 5.24.0) or paths to wheel files")
+    parser.add_argument("--all", action="store_true", dest="all_releases",
+                        help="every release the matrix proves (RELEASES in scripts/matrix_data.py)")
     parser.add_argument("--installed", action="store_true",
                         help="also report the transformers installed next to this interpreter (read, not imported)")
     parser.add_argument("--wheel-dir", type=Path, default=DEFAULT_WHEEL_DIR,
@@ -361,8 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when any target is NEW, missing, or disagrees with the declared versions")
     args = parser.parse_args(argv)
+    if args.all_releases:
+        args.releases = [*matrix_data.RELEASES, *(r for r in args.releases if r not in matrix_data.RELEASES)]
     if not args.releases and not args.installed:
-        parser.error("name at least one release (or --installed)")
+        parser.error("name at least one release (or --all, or --installed)")
 
     patches = (
         [load_patch_module(name) for name in args.patch_modules] if args.patch_modules else matrix_data.load_patches()
