@@ -49,14 +49,19 @@ def reset() -> None:
         _actions.clear()
 
 
+def describe_actions(actions: dict[str, int]) -> str:
+    """``"moved nested tensors to neuron:0 (8x); ..."``, most frequent first."""
+    ranked = sorted(actions.items(), key=lambda item: -item[1])
+    return "; ".join(f"{action} ({count}x)" for action, count in ranked)
+
+
 def report_lines(patches) -> list[str]:
     """One line per patch that fired, with its actions and the upgrade advice."""
     by_id = {patch.id: patch for patch in patches}
     lines = []
     for patch_id, actions in sorted(fired_actions().items()):
         total = sum(actions.values())
-        ranked = sorted(actions.items(), key=lambda item: -item[1])
-        what = "; ".join(f"{action} ({count}x)" for action, count in ranked)
+        what = describe_actions(actions)
         patch = by_id.get(patch_id)
         if patch is None:
             advice = ""

@@ -121,6 +121,9 @@ def _add_overlay_status(spec: dict, result: dict) -> None:
                 except Exception:
                     pass
         result["patch_status"] = [s.as_dict() for s in engine.status()]
+        from overlay import report
+
+        result["fired"] = report.fired_actions()
     except Exception as exc:  # noqa: BLE001
         result["status_error"] = f"{type(exc).__name__}: {exc}"
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from overlay.report import describe_actions
+
 WIDTH = 100
 
 
@@ -65,6 +67,11 @@ def render(report: dict[str, Any]) -> str:
             states = s["with"].get("patches", {})
             patches = ", ".join(f"{p} {states.get(p, 'not in this overlay')}" for p in s["patches"])
             out.append(f"    overlay: {patches}")
+            fired = s["with"].get("fired") or {}
+            for patch_id, actions in sorted(fired.items()):
+                out.append(f"    fired with overlay: {patch_id}: {describe_actions(actions)}")
+            if not fired and s["with"].get("fired") is not None:
+                out.append("    fired with overlay: nothing (no call needed a fix)")
             for mode in ("without", "with"):
                 result = s[mode]
                 if result.get("error") and not result.get("cases"):
