@@ -25,10 +25,10 @@ def main(argv: list[str]) -> int:
     result: dict = {"scenario": spec["scenario"], "mode": spec["mode"], "cases": [], "error": None}
     try:
         if spec["mode"] == "with":
-            import overlay
+            from overlay import engine
 
             # Not strict: a patch that does not apply must show up in the report, not kill the run.
-            overlay.apply(strict=False)
+            engine.apply(strict=False)
         result["cases"] = _run(spec, result)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         from overlay.doctor._scenarios import one_line, where

@@ -76,9 +76,10 @@ def package_versions() -> dict[str, str | None]:
         except PackageNotFoundError:
             found[name] = None
     if found["attn-overlay"] is None:  # a plain checkout on sys.path
-        import overlay
+        from overlay._version import __version__
 
-        found["attn-overlay"] = f"{overlay.__version__} (not installed: {os.path.dirname(os.path.dirname(overlay.__file__))})"
+        checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        found["attn-overlay"] = f"{__version__} (not installed: {checkout})"
     return found
 
 

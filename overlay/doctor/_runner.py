@@ -73,7 +73,7 @@ def run(
     say = progress or (lambda line: None)
 
     report: dict[str, Any] = {"doctor": 1, "ok": False}
-    import overlay
+    from overlay._version import __version__
 
     accelerators, problems = _env.detect_accelerators()
     choice = _env.choose_device(device, accelerators, local_rank=launch.local_rank, announce=say)
@@ -81,7 +81,7 @@ def run(
         "python": _env.python_description(),
         "platform": _env.platform_description(),
         "packages": _env.package_versions(),
-        "overlay_version": overlay.__version__,
+        "overlay_version": __version__,
         "accelerators": [a.as_dict() for a in accelerators],
         "detection_problems": problems,
         "device": choice.as_dict(),
@@ -220,9 +220,7 @@ def _child_environment(distributed: bool) -> dict[str, str]:
     # in front of the standard library.
     import site
 
-    import overlay
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(overlay.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     site_folders = {os.path.abspath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
     if root not in site_folders:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

@@ -1,0 +1,85 @@
+"""The import drawing of the package: every arrow runs down a floor, never back up.
+
+Floors, top to bottom:
+  4  ``overlay/__init__`` (the public API facade) and ``overlay/apply.py`` / ``__main__``
+  3  tools: ``overlay.cli``, ``overlay.doctor``, ``overlay.testing``
+  2  the engine: ``overlay.engine``, ``overlay.registry`` and the patch files ``overlay.patches``
+  1  leaves: ``overlay.patch``, ``overlay.config``, ``overlay.report``, ``overlay.guard``,
+     ``overlay.tree_move``, ``overlay._version`` (and the startup module ``_attn_overlay_startup``)
+A module may import its own floor or lower floors; importing the facade's attributes (``import
+overlay`` then ``overlay.x``, ``from overlay import apply``) from inside the package is an arrow up.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+FLOORS = {
+    "overlay": 4, "overlay.apply": 4, "overlay.__main__": 4,
+    "overlay.cli": 3, "overlay.doctor": 3, "overlay.testing": 3,
+    "overlay.engine": 2, "overlay.registry": 2, "overlay.patches": 2,
+    "overlay.patch": 1, "overlay.config": 1, "overlay.report": 1, "overlay.guard": 1, "overlay.tree_move": 1,
+    "overlay._version": 1, "_attn_overlay_startup": 1,
+}
+
+
+def _floor(module: str) -> int:
+    while module not in FLOORS:
+        module = module.rpartition(".")[0]
+    return FLOORS[module]
+
+
+def _modules():
+    for path in sorted((REPO / "overlay").rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        yield name, path, path.name == "__init__.py"
+    for path in sorted((REPO / "patches").glob("*.py")):
+        stem = path.stem
+        yield ("overlay.patches" if stem == "__init__" else f"overlay.patches.{stem}"), path, stem == "__init__"
+
+
+def _imports(name: str, path: Path, is_package: bool):
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                # `from overlay import engine` imports the submodule overlay.engine
+                yield (f"{module}.{alias.name}" if _is_submodule(f"{module}.{alias.name}") else module), node.lineno
+
+
+def _is_submodule(dotted: str) -> bool:
+    parts = dotted.split(".")
+    if parts[0] != "overlay":
+        return False
+    if parts[:2] == ["overlay", "patches"]:
+        base = REPO / "patches" / Path(*parts[2:]) if len(parts) > 2 else REPO / "patches"
+    else:
+        base = REPO / Path(*parts)
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def test_no_import_runs_back_up_a_floor():
+    upward = []
+    for name, path, is_package in _modules():
+        for imported, line in _imports(name, path, is_package):
+            if not (imported == "overlay" or imported.startswith("overlay.") or imported == "_attn_overlay_startup"):
+                continue
+            if imported == name or name.startswith(imported + ".") and imported != "overlay":
+                continue  # a package's own parent package, as the import system loads it anyway
+            if _floor(imported) > _floor(name) or (imported == "overlay" and name != "overlay"):
+                upward.append(f"{path.relative_to(REPO)}:{line}: {name} (floor {_floor(name)}) imports {imported}")
+    assert upward == []
