@@ -282,28 +282,70 @@ def _diagnose(query: Any, key: Any, value: Any, module: Any, attn_implementation
 
 
 # -- the cache side --------------------------------------------------------------------------
+# Used by patches/kv_cache_dtype.py (whose docstring is the one explanation of the policy).
 
-#: (which, stored dtype, compute dtype) pairs already warned about in this process.
-_warned_casts: set[tuple[str, str, str]] = set()
+#: (kind, which, stored dtype, other dtype) tuples already warned about in this process.
+_warned_casts: set[tuple[str, str, str, str]] = set()
+
+
+def _first_time(*key: str) -> bool:
+    if key in _warned_casts:
+        return False
+    _warned_casts.add(key)
+    return True
 
 
 def warn_cache_cast_once(layer_idx: Any, layer: Any, which: str, stored: Any, compute: Any) -> None:
-    """One :class:`KVCacheDtypeWarning` per (keys/values, stored dtype, compute dtype) and process.
+    """Read side: one :class:`KVCacheDtypeWarning` per (keys/values, stored dtype, compute dtype) and process.
 
     Never call it from code dynamo traces (it would break the graph): callers skip it when
-    ``torch.compiler.is_compiling()``.
+    ``torch.compiler.is_compiling()``. The same holds for the other ``warn_*`` functions here.
     """
-    key = (which, str(stored), str(compute))
-    if key in _warned_casts:
+    if not _first_time("cast", which, str(stored), str(compute)):
         return
-    _warned_casts.add(key)
     warnings.warn(
         f"attn-overlay: KV cache layer {layer_idx} ({type(layer).__name__}) holds {which} in {stored} but "
         f"attention computes in {compute}; the overlay casts what the cache hands back on every step "
         f"(one copy of that layer's cache per step). Build the cache in {compute} to avoid the copy. "
         f"(Shown once per dtype pair; {MODE_VAR}=strict turns this into an error.)",
         KVCacheDtypeWarning,
-        stacklevel=4,
+        stacklevel=5,
+    )
+
+
+def warn_cache_rounding_once(layer_idx: Any, layer: Any, which: str, stored: Any, incoming: Any) -> None:
+    """Write side: a static cache narrower than the states written to it rounds them (precision lost)."""
+    if not _first_time("round", which, str(stored), str(incoming)):
+        return
+    state = "key" if which == "keys" else "value"
+    warnings.warn(
+        f"attn-overlay: KV cache layer {layer_idx} ({type(layer).__name__}) stores {which} in {stored} but the "
+        f"model writes {state} states in {incoming}. A static cache cannot change dtype (compiled graphs and "
+        f"exported programs hold its buffers), so the overlay rounds every new {state} state to {stored}: "
+        f"PRECISION IS LOST, not only a copy made (stock transformers fails here in index_copy_). Build the cache "
+        f"in {incoming} to keep full precision. (Shown once per dtype pair; {MODE_VAR}=strict turns this into an "
+        f"error.)",
+        KVCacheDtypeWarning,
+        stacklevel=5,
+    )
+
+
+def warn_cross_cache_cast_once(layer_idx: Any, layer: Any, which: str, stored: Any, compute: Any, narrows: bool) -> None:
+    """An encoder-decoder cross-attention cache converted once, in place, to the compute dtype."""
+    if not _first_time("cross", which, str(stored), str(compute)):
+        return
+    loss = (
+        f"the {stored} values are not kept: attention computes in {compute} anyway, and stock transformers fails here"
+        if narrows
+        else "exact, nothing is lost"
+    )
+    warnings.warn(
+        f"attn-overlay: cross-attention cache layer {layer_idx} ({type(layer).__name__}) held {which} in {stored} "
+        f"but the decoder computes in {compute}; encoder-decoder models read that cache directly, so the overlay "
+        f"converted it once, in place, to {compute} ({loss}). Build the cache in {compute} to avoid the "
+        f"conversion. (Shown once per dtype pair; {MODE_VAR}=strict turns this into an error.)",
+        KVCacheDtypeWarning,
+        stacklevel=5,
     )
 
 
@@ -315,10 +357,13 @@ def reset_warnings() -> None:
 class CacheDtypeError(AttentionInputError):
     """Strict mode: a KV cache layer stores another dtype than the states the model writes to it."""
 
-    def __init__(self, layer: Any, which: str, stored: Any, incoming: Any, layer_idx: Any = None):
+    def __init__(
+        self, layer: Any, which: str, stored: Any, incoming: Any, layer_idx: Any = None, cache: str = "KV cache"
+    ):
         self.layer, self.which, self.stored, self.incoming, self.layer_idx = layer, which, stored, incoming, layer_idx
+        self.cache = cache
         state = "key_states" if which == "keys" else "value_states"
-        where = f"KV cache layer {layer_idx} ({type(layer).__name__})" if layer_idx is not None else type(layer).__name__
+        where = f"{cache} layer {layer_idx} ({type(layer).__name__})" if layer_idx is not None else type(layer).__name__
         super().__init__(
             f"attn-overlay (mode={STRICT}): {where} stores {which} in {stored.dtype} but the model writes "
             f"{state} in {incoming.dtype}:\n"
@@ -328,4 +373,4 @@ class CacheDtypeError(AttentionInputError):
         )
 
     def for_layer(self, layer_idx: Any) -> "CacheDtypeError":
-        return CacheDtypeError(self.layer, self.which, self.stored, self.incoming, layer_idx)
+        return CacheDtypeError(self.layer, self.which, self.stored, self.incoming, layer_idx, self.cache)

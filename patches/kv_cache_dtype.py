@@ -1,4 +1,4 @@
-"""KV cache dtype alignment: the cache stores in its own dtype, attention gets the compute dtype.
+"""KV cache dtype alignment: attention gets the compute dtype, and no precision stock keeps is lost.
 
 What breaks (every transformers 5.x release up to 5.24.0 at least; nothing upstream aligns dtypes):
 a KV cache whose dtype differs from the states the model writes to it.
@@ -7,63 +7,93 @@ a KV cache whose dtype differs from the states the model writes to it.
   to a bfloat16 model: ``StaticLayer.update`` fails in ``index_copy_`` ("self and source expected
   to have the same dtype").
 - A ``DynamicCache`` prefilled in float32 (a shared prompt prefix computed once), then bfloat16
-  decoding: ``torch.cat`` silently promotes the cache to float32, and attention then gets a
-  bfloat16 query with float32 key/value: SDPA "Expected query, key, and value to have the same
-  dtype", eager "expected scalar type ... but found ...", FlashAttention-2 "query and key must
-  have the same dtype" (its integration only casts float32 *queries*).
+  decoding: ``torch.cat`` promotes the cache to float32, and attention then gets a bfloat16 query
+  with float32 key/value: SDPA "Expected query, key, and value to have the same dtype", eager
+  "expected scalar type ... but found ...", FlashAttention-2 "query and key must have the same
+  dtype" (its integration only casts float32 *queries*).
+- The same with an ``EncoderDecoderCache``: after the first step encoder-decoder models read the
+  cross-attention cache directly (``cross_attention_cache.layers[i].keys``), never through
+  ``Cache.update``, so a float32 cross-attention cache meets a bfloat16 query.
 - ``torch.autocast`` around ``generate()`` with a static cache: rotary embeddings make keys
   float32 while values stay bfloat16; 5.13.0-5.23.0 allocate the value cache in the key dtype
   (``index_copy_`` error); 5.24.0 allocates each in its own dtype, but with ``prefill_chunk_size``
   generate initialises the cache early in the model's dtype (float32) and the bfloat16 values
   fail the same way.
 
-Policy (what this patch does, in mode ``align``, the default; see ``overlay/guard.py``):
+Policy (mode ``align``, the default; ``strict`` and ``off`` below). The target dtype is the
+dtype of the incoming ``key_states`` / ``value_states``, i.e. the query's compute dtype: it is
+what attention would get with no cache at all (the no-cache forward is the ground truth every
+cache must reproduce), it comes out of the same projections as the query in the same forward,
+and the query is never cached so it cannot be stale. Keys and values are aligned separately
+(under autocast keys leave rotary embeddings in float32 while values stay bfloat16).
 
-1. On write, incoming states are stored in the cache's dtype. Each layer's ``update`` first runs
-   the layer's own lazy initialisation (exactly what the original does first, so the layer picks
-   its dtypes as it always did), then casts ``key_states`` / ``value_states`` to the dtype of the
-   layer's ``keys`` / ``values`` when they differ. ``index_copy_`` no longer fails, and ``torch.cat``
-   no longer silently promotes (and thereby re-types) the stored cache.
-2. On read, ``Cache.update`` hands back keys and values in the dtype of the incoming
-   ``key_states`` / ``value_states`` -- only cast when they differ -- with a one-time
-   :class:`overlay.guard.KVCacheDtypeWarning` naming the layer and the two dtypes.
+1. Read side, every cache updated through ``Cache.update``: keys and values are handed back in
+   the dtype of the incoming states, cast only when they differ, with a one-time
+   :class:`overlay.guard.KVCacheDtypeWarning` naming the layer, the two dtypes and the cost (a
+   transient copy of that layer's cache per step).
+2. Write side, only where stock cannot store the states: static layers (``StaticLayer``,
+   ``StaticSlidingWindowLayer`` and every subclass) hold fixed buffers (their addresses are what
+   ``torch.compile``/cudagraphs and exported programs hold) and ``index_copy_`` refuses another
+   dtype, so the new states are cast to the buffer's dtype, after the layer's own lazy
+   initialisation (run first, exactly as the layer's ``update`` would, so the layer picks its
+   dtypes as it always did). A widening cast (bfloat16 states into a float32 buffer) is exact and
+   silent. A narrowing one (float32 states into a bfloat16 buffer: a float32 model, or
+   ``model.float()``, with a kept bfloat16 static cache) rounds every new state: the warning says
+   that precision is lost, not only that a copy is made, and how to keep it (build the cache in
+   the compute dtype). Under autocast, narrowing to the autocast dtype loses nothing attention
+   would not drop anyway and is silent.
+   Dynamic layers are left alone on write: ``torch.cat`` promotes the cache to the wider dtype,
+   which loses nothing, and that is exactly what stock does. (Up to 0.1.x this patch cast writes
+   to the cache's dtype instead; a float32 model continuing a bfloat16 prefix then had its own new
+   keys rounded to bfloat16: a max |logit| drift of 3e-3..2e-2 against stock on tiny Llama/Qwen3,
+   see ``tests/test_patch_kv_cache_dtype_robustness.py``. Stock keeps float32 there, and now so
+   does the overlay, bit for bit.)
+3. Cross-attention caches (``EncoderDecoderCache``): the cache patch cannot see the direct reads,
+   so it aligns the cross-attention layer where it can see the compute dtype: in the same decoder
+   layer's self-attention ``Cache.update``, which runs right before the cross-attention reads.
+   Whenever that update is not on the fast path (its layer is new, or its dtypes differ from the
+   incoming states), cross-attention layer ``i`` is converted once, in place, to the dtype of the
+   incoming states (a narrowing conversion drops the wider copy: stock fails here, and attention
+   computes in the narrower dtype anyway; the warning says so). This makes a float32-prefilled
+   ``EncoderDecoderCache`` work with a bfloat16 decoder on every encoder-decoder model, inline
+   attention included (T5 on 5.13.x, MVP, LED, FSMT, ProphetNet, ...). Exact limit: a
+   cross-attention cache whose dtype differs while its self-attention cache already holds states
+   in the compute dtype (the two were filled by different models, or ``cross_attention_cache``
+   was reassigned after the ``EncoderDecoderCache`` was built) is not converted; models that
+   dispatch attention through ``AttentionInterface`` are still aligned by ``attention-guard``.
+4. Under ``torch.autocast`` on the states' device, dtypes are autocast's business, as in the
+   attention guard: nothing is cast on read and nothing is reported, only the write into a static
+   layer is cast (stock would fail in ``index_copy_``). E.g. generate's default dynamic cache under
+   autocast on 5.13.0-5.23.x allocates values in the keys' float32 and ``torch.cat`` promotes the
+   bfloat16 values: stock generates, and so does the overlay, same tokens, no warning.
 
-Either half alone is not enough: casting on write only returns a float32 cache to a bfloat16
-query; casting on read only never gets past ``index_copy_``.
+Either half alone is not enough for static caches: casting on write only returns a float32 cache
+to a bfloat16 query; casting on read only never gets past ``index_copy_``.
 
-Why the dtype of the incoming states, which is the query's compute dtype, is the right target:
-it is what attention would have received with no cache at all (the no-cache forward is the ground
-truth every cache must reproduce), it is produced by the same projections as the query in the
-same forward, and the query itself is never cached so it cannot be stale. The model's dtype is
-the wrong target: under autocast the model is float32 while attention computes in bfloat16 (and
-keys come out of rotary embeddings in float32 while values stay bfloat16, which is why keys and
-values are aligned separately). The cache's dtype is the wrong target too: it is whatever the
-cache was built with (a previous run, a float32 prefix model), and re-typing the stored cache
-instead would lose the precision of a float32 prefix and break the static addresses that
-``torch.compile``/cudagraphs and exported programs hold on static caches.
+What it costs: one replacement, ``Cache.update``, which is stock's own body (5.13.0-5.24.0 share
+it when offloading is off) with two dtype comparisons in front: no wrapper frame, no re-packing of
+``*args``/``**kwargs`` beyond what stock does, no layer wrapper. When dtypes agree, nothing else
+runs: no copy, no kernel (tests count aten ops with a TorchDispatchMode), and under
+``torch.compile`` every branch is decided at trace time (dtypes are guarded), so no graph break
+and no recompilation. Offloaded caches take the slow path every step (a few hundred ns, next to
+the tensor moves). When dtypes differ: one cast of the new states on write (static layers), one
+cast of the layer's returned cache per step on read, and ``overlay.report.record`` counts it
+(outside compiled regions). The warnings are skipped inside compiled regions (emitting them would
+break the graph); the eager prefill that precedes compiled decoding reports the same mismatch.
 
-What it costs:
-- dtypes already match (the normal case): a few dtype comparisons per layer and step; no copy,
-  no kernel (tests count the copies with a TorchDispatchMode), and under ``torch.compile`` every
-  branch is decided at trace time (dtype is guarded), so no graph break and no recompilation.
-- dtypes differ: one cast of the new states on write (a few tokens), and one cast of the layer's
-  whole returned cache on every read -- a transient buffer the size of that layer's cache in the
-  compute dtype, plus the memory traffic, per layer and step. That is the price of a cache built in
-  the wrong dtype; the warning says so once and how to avoid it (build the cache in the compute
-  dtype). The warning is skipped inside compiled regions (emitting it would break the graph); the
-  eager prefill that precedes compiled decoding reports the same mismatch.
+Modes: ``strict`` raises :class:`overlay.guard.CacheDtypeError` (an ``AttentionInputError``)
+wherever ``align`` would cast outside autocast, or would round under autocast beyond the autocast
+dtype, naming the layer, the cache tensor and the incoming tensor; it never raises where ``align``
+passes states through untouched (dynamic promotion, autocast). ``off`` passes everything through
+as stock transformers does.
 
-Modes: ``strict`` raises :class:`overlay.guard.AttentionInputError` (a ``CacheDtypeError``)
-naming the layer, the cache tensor and the incoming tensor instead of casting; ``off`` passes
-everything through as stock transformers does.
-
-Coverage and limits: every model that writes its cache through ``Cache.update`` (all decoder
-and encoder-decoder models in 5.x, every attention implementation, eager included), with the
-write-side cast for ``DynamicLayer``, ``DynamicSlidingWindowLayer``, ``StaticLayer`` and
-``StaticSlidingWindowLayer`` and their subclasses that keep those ``update`` methods (indexed and
-linear-attention hybrid layers). Quantized layers (``QuantizedLayer``, ``Fp8QuantizedLayer``)
-and caches defined in modeling files that override ``update`` without calling ``Cache.update``
-are not aligned on write. Out of scope: models that keep some projections in float32 while
+Coverage and limits: every cache updated through ``Cache.update`` (all decoder and
+encoder-decoder models of 5.x, every attention implementation, eager included), every layer class
+(including modeling-file layers such as DeepSeek-V4's and Unlimited-OCR's), offloaded caches.
+Not covered: a layer's ``update`` called directly, bypassing ``Cache.update`` (in 5.13.0-5.24.0
+only ``DynamicCache(ddp_cache_data)`` does so, with dynamic layers, which need no write side);
+caches defined in modeling files that override ``Cache.update`` without calling it; quantized
+layers keep their own dtypes. Out of scope: models that keep some projections in float32 while
 others run in bfloat16 (e.g. a ``qk_norm`` kept in float32 makes q/k float32 and v bfloat16 and
 then fails in ``o_proj``): that is a model-precision issue, not the cache's.
 """
@@ -74,77 +104,189 @@ from overlay import guard
 from overlay.patch import Patch, Target, wraps
 
 MODULE = "transformers.cache_utils"
-
-
-def _replace_layer_update(original):
-    """Write side: store incoming states in the layer's dtype (after the layer's own lazy init)."""
-
-    @wraps(original)
-    def update(self, key_states, value_states, *args, **kwargs):
-        mode = guard.get_mode()
-        if mode != guard.OFF and key_states is not None and value_states is not None:
-            if not self.is_initialized:
-                # The first statement of every wrapped original; running it here lets the layer
-                # choose its dtypes as it always does before we compare against them.
-                self.lazy_initialization(key_states, value_states)
-            key_states = _in_store_dtype(self, "keys", key_states, mode)
-            value_states = _in_store_dtype(self, "values", value_states, mode)
-        return original(self, key_states, value_states, *args, **kwargs)
-
-    return update
-
-
-def _in_store_dtype(layer, which, incoming, mode):
-    stored = getattr(layer, which, None)
-    if stored is None or incoming.dtype == stored.dtype:
-        return incoming
-    if mode == guard.STRICT:
-        raise guard.CacheDtypeError(layer, which, stored, incoming)
-    return incoming.to(stored.dtype)
+PATCH_ID = "kv-cache-dtype"
+#: Attribute set on an EncoderDecoderCache's self-attention cache: its cross-attention cache.
+CROSS_ATTR = "_attn_overlay_cross_attention_cache"
 
 
 def _replace_cache_update(original):
-    """Read side: hand back keys/values in the dtype of the incoming states, casting only when needed."""
-    import torch
-
-    is_compiling = torch.compiler.is_compiling
+    """``Cache.update`` with the dtype checks in front (see the module docstring)."""
+    static_layer = original.__globals__.get("StaticLayer")
 
     @wraps(original)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        mode = guard.get_mode()
-        if mode == guard.OFF or key_states is None or value_states is None:
-            return original(self, key_states, value_states, layer_idx, *args, **kwargs)
-        if mode == guard.STRICT:
-            try:
-                keys, values = original(self, key_states, value_states, layer_idx, *args, **kwargs)
-            except guard.CacheDtypeError as err:
-                if err.layer_idx is not None:
-                    raise
-                raise err.for_layer(layer_idx) from None
-        else:
-            keys, values = original(self, key_states, value_states, layer_idx, *args, **kwargs)
-        if keys is not None and keys.dtype != key_states.dtype:
-            keys = _hand_back(self, layer_idx, "keys", keys, key_states, mode, is_compiling)
-        if values is not None and values.dtype != value_states.dtype:
-            values = _hand_back(self, layer_idx, "values", values, value_states, mode, is_compiling)
-        return keys, values
+        # The fast path is stock's own body for a non-offloaded cache whose layer ``layer_idx``
+        # exists (the stock ``while len(self.layers) <= layer_idx`` then appends nothing), is
+        # initialised, and stores exactly the incoming dtypes. Anything else (a new or lazily
+        # appended layer, offloading, another dtype, an odd object) goes to ``_slow_update``,
+        # which calls the original.
+        try:
+            layers = self.layers
+            if layer_idx < len(layers) and not self.offloading:
+                layer = layers[layer_idx]
+                keys = layer.keys
+                if (
+                    keys is not None
+                    and keys.dtype is key_states.dtype
+                    and layer.values.dtype is value_states.dtype
+                ):
+                    return layer.update(key_states, value_states, *args, **kwargs)
+        except (AttributeError, TypeError):
+            pass
+        return _slow_update(original, static_layer, self, key_states, value_states, layer_idx, args, kwargs)
 
     return update
 
 
-def _hand_back(cache, layer_idx, which, returned, incoming, mode, is_compiling):
+def _slow_update(original, static_layer, cache, key_states, value_states, layer_idx, args, kwargs):
+    import torch
+
+    mode = guard._mode
+    tensor = torch.Tensor
+    if mode == guard.OFF or not (isinstance(key_states, tensor) and isinstance(value_states, tensor)):
+        return original(cache, key_states, value_states, layer_idx, *args, **kwargs)
+    compiling = torch.compiler.is_compiling()
+    autocast_dtype = _autocast_dtype(key_states)
+    layer = _layer(cache, layer_idx)
+
+    # Write side: only static layers (fixed buffers) need it; dynamic ones promote like stock.
+    stored_k = stored_v = None
+    if static_layer is not None and isinstance(layer, static_layer):
+        if not layer.is_initialized:
+            # The first statement of every layer's update: the layer picks its dtypes as always.
+            layer.lazy_initialization(key_states, value_states)
+        write_k = _to_buffer(layer, layer_idx, "keys", key_states, mode, autocast_dtype, compiling)
+        write_v = _to_buffer(layer, layer_idx, "values", value_states, mode, autocast_dtype, compiling)
+    else:
+        write_k, write_v = key_states, value_states
+
+    # The cross-attention cache of the same decoder layer, read directly right after this update.
+    cross = getattr(cache, "__dict__", {}).get(CROSS_ATTR)
+    if cross is not None and autocast_dtype is None:
+        _align_cross_layer(cross, layer_idx, key_states, value_states, mode, compiling)
+
+    keys, values = original(cache, write_k, write_v, layer_idx, *args, **kwargs)
+
+    # Read side: the compute dtype, except under autocast (autocast casts in the kernels, as on stock).
+    if autocast_dtype is None:
+        if isinstance(keys, tensor) and keys.dtype is not key_states.dtype:
+            keys = _hand_back(cache, layer, layer_idx, "keys", keys, key_states, mode, compiling)
+        if isinstance(values, tensor) and values.dtype is not value_states.dtype:
+            values = _hand_back(cache, layer, layer_idx, "values", values, value_states, mode, compiling)
+    return keys, values
+
+
+def _layer(cache, layer_idx):
+    """Layer ``layer_idx`` after appending lazily replicated layers exactly as ``Cache.update`` does."""
     layers = getattr(cache, "layers", None)
-    layer = layers[layer_idx] if isinstance(layers, list) and layer_idx < len(layers) else cache
+    if not isinstance(layers, list):
+        return None
+    replicate = getattr(cache, "layer_class_to_replicate", None)
+    if replicate is not None:
+        while len(layers) <= layer_idx:
+            layers.append(replicate())
+    try:
+        return layers[layer_idx]
+    except (IndexError, TypeError):
+        return None
+
+
+def _autocast_dtype(states):
+    """The autocast dtype when autocast is enabled for the states' device, else None."""
+    import torch
+
+    device_type = states.device.type
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # devices autocast does not know (meta, lazy, ...): no autocast there
+        return None
+
+
+def _narrows(stored_dtype, incoming_dtype, autocast_dtype):
+    """Whether storing ``incoming_dtype`` states as ``stored_dtype`` loses precision attention would use."""
+    import torch
+
+    if torch.promote_types(stored_dtype, incoming_dtype) == stored_dtype:
+        return False  # widening (or equal): exact
+    return not (autocast_dtype is not None and stored_dtype == autocast_dtype)
+
+
+def _to_buffer(layer, layer_idx, which, incoming, mode, autocast_dtype, compiling):
+    """Write side of a static layer: the incoming states in the buffer's dtype."""
+    stored = getattr(layer, which, None)
+    if stored is None or stored.dtype is incoming.dtype:
+        return incoming
+    narrows = _narrows(stored.dtype, incoming.dtype, autocast_dtype)
+    if mode == guard.STRICT and (autocast_dtype is None or narrows):
+        raise guard.CacheDtypeError(layer, which, stored, incoming, layer_idx)
+    if not compiling:
+        if narrows:
+            guard.warn_cache_rounding_once(layer_idx, layer, which, stored.dtype, incoming.dtype)
+        from overlay import report
+
+        report.record(PATCH_ID, f"stored {incoming.dtype} {which} in a {stored.dtype} static cache")
+    return incoming.to(stored.dtype)
+
+
+def _hand_back(cache, layer, layer_idx, which, returned, incoming, mode, compiling):
+    """Read side: what the cache hands back, in the dtype of the incoming states."""
     if mode == guard.STRICT:
-        raise guard.CacheDtypeError(layer, which, returned, incoming, layer_idx)
-    if not is_compiling():
-        guard.warn_cache_cast_once(layer_idx, layer, which, returned.dtype, incoming.dtype)
+        raise guard.CacheDtypeError(layer if layer is not None else cache, which, returned, incoming, layer_idx)
+    if not compiling:
+        guard.warn_cache_cast_once(layer_idx, layer if layer is not None else cache, which, returned.dtype, incoming.dtype)
+        from overlay import report
+
+        report.record(PATCH_ID, f"cast {returned.dtype} cache {which} for {incoming.dtype} attention")
     return returned.to(incoming.dtype)
 
 
+def _align_cross_layer(cross, layer_idx, key_states, value_states, mode, compiling):
+    """Convert cross-attention layer ``layer_idx`` (read directly by the models) to the compute dtype, once."""
+    layers = getattr(cross, "layers", None)
+    if not isinstance(layers, list) or not 0 <= layer_idx < len(layers):
+        return
+    layer = layers[layer_idx]
+    import torch
+
+    for which, states in (("keys", key_states), ("values", value_states)):
+        stored, dtype = getattr(layer, which, None), states.dtype
+        if not isinstance(stored, torch.Tensor) or stored.dtype is dtype or stored.numel() == 0:
+            continue
+        if mode == guard.STRICT:
+            raise guard.CacheDtypeError(layer, which, stored, states, layer_idx, cache="cross-attention cache")
+        converted = stored.to(dtype)
+        setattr(layer, which, converted)
+        if not compiling:
+            if getattr(layer, "is_compileable", False):
+                # A static layer: its new buffer keeps a static address for torch.compile/cudagraphs.
+                torch._dynamo.mark_static_address(converted)
+            narrows = torch.promote_types(stored.dtype, dtype) != dtype
+            guard.warn_cross_cache_cast_once(layer_idx, layer, which, stored.dtype, dtype, narrows)
+            from overlay import report
+
+            report.record(PATCH_ID, f"converted {stored.dtype} cross-attention cache {which} to {dtype}")
+
+
+def _replace_encoder_decoder_init(original):
+    """``EncoderDecoderCache.__init__`` that tells the self-attention cache its cross-attention cache."""
+
+    @wraps(original)
+    def __init__(self, *caches):
+        original(self, *caches)
+        # A plain reference (no cycle: the parent holds both, the self cache holds the cross one):
+        # deepcopy/pickle of the parent keep it pointing at the copied cross-attention cache.
+        holder = getattr(self.self_attention_cache, "__dict__", None)
+        if holder is not None:
+            holder[CROSS_ATTR] = self.cross_attention_cache
+
+    return __init__
+
+
 PATCH = Patch(
-    id="kv-cache-dtype",
-    title="KV cache stores in its own dtype and hands attention the compute dtype",
+    id=PATCH_ID,
+    title="KV cache hands attention the compute dtype; static caches store in their own dtype",
     errors=(
         "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16",
         "Expected query, key, and value to have the same dtype, but got query.dtype: c10::BFloat16 "
@@ -155,8 +297,9 @@ PATCH = Patch(
     why=(
         "Cache layers allocate from the first states they see (or from early_initialization's dtype) and "
         "never reconcile later writes: StaticLayer.index_copy_ refuses another dtype, DynamicLayer's torch.cat "
-        "promotes the whole cache, and Cache.update hands attention whatever the cache holds, so a cache built "
-        "in float32 (user-built, a float32 prefix, generate's early init under autocast) meets a bfloat16 query."
+        "promotes the whole cache, Cache.update hands attention whatever the cache holds, and encoder-decoder "
+        "models read the cross-attention cache directly, so a cache built in float32 (user-built, a float32 "
+        "prefix, generate's early init under autocast) meets a bfloat16 query."
     ),
     upstream="none: no transformers release up to 5.24.0 aligns KV cache dtypes",
     affected=">=5.13.0",
@@ -173,37 +316,11 @@ PATCH = Patch(
         ),
         Target(
             module=MODULE,
-            qualname="DynamicLayer.update",
+            qualname="EncoderDecoderCache.__init__",
             originals={
-                "3fe48b1632f14c258c9aed556a3bcb1e3786bcf54eb53990369944ba54c453f7": "5.13.0-5.24.0",
+                "75023ce759abbc1f191173f5f5c1342c2a24fe5e668bb7dec085635850bdc581": "5.13.0-5.24.0",
             },
-            replace=_replace_layer_update,
-        ),
-        Target(
-            module=MODULE,
-            qualname="DynamicSlidingWindowLayer.update",
-            originals={
-                "efb11932177e383c572d6eab903a9e54a115d6274071fd670349b591c2f4b4d8": "5.13.0-5.14.1",
-                "84f9dc6160a97068ce06189c7eafbfc2133f584dd7859548152976ac4fa4fed2": "5.15.0-5.17.0",
-                "63d4e10e3d3d61a1c29c9e76c290e460d0e4189d83c4ea3e81e4c5f956464617": "5.18.0-5.24.0",
-            },
-            replace=_replace_layer_update,
-        ),
-        Target(
-            module=MODULE,
-            qualname="StaticLayer.update",
-            originals={
-                "ee4886d3398efef610b76c1e6a8e30e642bd15b6e3c3365ab532efdfd38c8965": "5.13.0-5.24.0",
-            },
-            replace=_replace_layer_update,
-        ),
-        Target(
-            module=MODULE,
-            qualname="StaticSlidingWindowLayer.update",
-            originals={
-                "e292f922e791d7160e09319d1078485767d16317957675238959bdf90408016b": "5.13.0-5.24.0",
-            },
-            replace=_replace_layer_update,
+            replace=_replace_encoder_decoder_init,
         ),
     ),
 )

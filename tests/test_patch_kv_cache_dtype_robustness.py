@@ -1,0 +1,366 @@
+"""Patch ``kv-cache-dtype`` used as users do, around the scenarios of ``test_patch_kv_cache_dtype.py``.
+
+Each test runs stock transformers (``overlay.reverted()``) as the control and the patch on the same
+tiny random models:
+
+- plain ``torch.autocast`` with generate's default dynamic cache (5.13.0-5.23.x allocate values in
+  the keys' float32): stock generates; the overlay must too, in ``align`` and ``strict``, with
+  the same tokens and no warning about a cache the user never built (issue 15.3);
+- a float32 model continuing a bfloat16 prefix: stock promotes the dynamic cache and keeps float32;
+  the overlay must not round the model's own states (bit-identical logits), and a kept bfloat16
+  *static* cache (which cannot change dtype) must be reported as a precision loss (issue 15.5);
+- a float32-prefilled ``EncoderDecoderCache`` decoded in bfloat16: the cross-attention cache is
+  read directly by the models, stock fails (inline attention: MVP; T5 too with only this patch);
+  the overlay must give the tokens of the all-bfloat16 reference (issue 15.4);
+- the hot path: when dtypes agree, ``Cache.update`` with the overlay runs exactly as many Python
+  frames as stock (issue 12: no wrapper frame).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import re
+import sys
+import warnings
+
+import pytest
+import torch
+from packaging.version import Version
+
+import overlay
+from overlay import guard
+
+TF_VERSION = Version(importlib.metadata.version("transformers"))
+if TF_VERSION < Version("5.13.0"):
+    pytest.skip("kv-cache-dtype covers transformers 5.13.0 and later", allow_module_level=True)
+
+from transformers import (  # noqa: E402  (after the version gate)
+    DynamicCache,
+    EncoderDecoderCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MvpConfig,
+    MvpForConditionalGeneration,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    StaticCache,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+PATCH_ID = "kv-cache-dtype"
+INDEX_COPY_ERROR = "index_copy_(): self and source expected to have the same dtype"
+EAGER_ERROR = "expected scalar type BFloat16 but found Float"
+NEW_TOKENS = 5
+
+# 5.13.0-5.23.x: DynamicLayer.lazy_initialization allocates values in the keys' dtype.
+DYNAMIC_VALUES_IN_KEY_DTYPE = TF_VERSION < Version("5.24.0")
+
+# Expected casts are asserted where they matter (warnings recorded); keep the rest out of the summary.
+pytestmark = pytest.mark.filterwarnings("ignore::overlay.guard.KVCacheDtypeWarning")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings_and_mode():
+    guard.reset_warnings()
+    with guard.using_mode("align"):
+        yield
+
+
+def patch_on(*ids: str):
+    ids = ids or (PATCH_ID,)
+    return overlay.applied(only=list(ids))
+
+
+stock = overlay.reverted
+
+
+def cache_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, guard.KVCacheDtypeWarning)]
+
+
+# -- decoder-only models ---------------------------------------------------------------------
+
+_MODELS: dict = {}
+
+
+def tiny_lm(kind: str, attn: str, dtype: torch.dtype):
+    key = (kind, attn, dtype)
+    if key not in _MODELS:
+        torch.manual_seed(0)
+        common = dict(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2,
+        )
+        config, cls = (LlamaConfig(**common), LlamaForCausalLM) if kind == "llama" else (Qwen3Config(**common), Qwen3ForCausalLM)
+        config._attn_implementation = attn
+        model = cls(config).eval().to(dtype)
+        model.generation_config.eos_token_id = None
+        _MODELS[key] = model
+    return _MODELS[key]
+
+
+INPUT_IDS = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+ATTENTION_MASK = (INPUT_IDS != 0).long()
+
+
+def generate(model, **kwargs):
+    out = model.generate(
+        input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, max_new_tokens=NEW_TOKENS, do_sample=False,
+        disable_compile=True, return_dict_in_generate=True, output_logits=True, **kwargs,
+    )
+    return out.sequences[:, -NEW_TOKENS:], torch.stack(out.logits)
+
+
+def prefix_cache(kind: str, attn: str, dtype: torch.dtype) -> DynamicCache:
+    """A prompt prefix computed once by the ``dtype`` twin of the model."""
+    model = tiny_lm(kind, attn, dtype)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=INPUT_IDS[:, :-1], attention_mask=ATTENTION_MASK[:, :-1], past_key_values=cache, use_cache=True)
+    return cache
+
+
+# -- issue 15.3: plain autocast, generate's default cache ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["align", "strict"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_plain_autocast_with_the_default_cache_generates_as_stock(kind, attn, mode):
+    model = tiny_lm(kind, attn, torch.float32)
+    with stock(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_tokens, ref_logits = generate(model)
+    with patch_on(), guard.using_mode(mode), torch.autocast("cpu", dtype=torch.bfloat16):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tokens, logits = generate(model)
+    assert cache_warnings(caught) == []  # no "Build the cache in torch.bfloat16" about a cache nobody built
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(logits, ref_logits)
+
+
+def test_the_autocast_premise_values_are_promoted_on_stock():
+    # Why 15.3 happens on 5.13.0-5.23.x: the default cache stores values in float32 under autocast.
+    model = tiny_lm("llama", "sdpa", torch.float32)
+    cache = DynamicCache(config=model.config)
+    with stock(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, past_key_values=cache, use_cache=True)
+    expected = torch.float32 if DYNAMIC_VALUES_IN_KEY_DTYPE else torch.bfloat16
+    assert {layer.values.dtype for layer in cache.layers} == {expected}
+
+
+# -- issue 15.5: precision ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_float32_model_continuing_a_bfloat16_prefix_keeps_stock_precision(kind, attn):
+    model = tiny_lm(kind, attn, torch.float32)
+    with stock():
+        ref_cache = prefix_cache(kind, attn, torch.bfloat16)
+        ref_tokens, ref_logits = generate(model, past_key_values=ref_cache)
+    with patch_on(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = prefix_cache(kind, attn, torch.bfloat16)
+        tokens, logits = generate(model, past_key_values=cache)
+    # Stock promotes the cache to float32 and keeps the model's own states exact; so does the overlay.
+    assert {layer.keys.dtype for layer in cache.layers} == {torch.float32} == {layer.keys.dtype for layer in ref_cache.layers}
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(logits, ref_logits)  # bit for bit: nothing was rounded to bfloat16
+    assert cache_warnings(caught) == []
+
+
+def _static_cache(model, dtype, max_cache_len=16):
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    cache.early_initialization(INPUT_IDS.shape[0], model.config.num_key_value_heads, model.config.head_dim, dtype, "cpu")
+    return cache
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_kept_bfloat16_static_cache_with_a_float32_model_says_precision_is_lost(kind):
+    model = tiny_lm(kind, "sdpa", torch.float32)
+    with stock():
+        with pytest.raises(RuntimeError, match=re.escape(INDEX_COPY_ERROR)):
+            generate(model, past_key_values=_static_cache(model, torch.bfloat16))
+        ref_tokens, ref_logits = generate(model, past_key_values=_static_cache(model, torch.float32))
+    with patch_on(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens, logits = generate(model, past_key_values=_static_cache(model, torch.bfloat16))
+    messages = cache_warnings(caught)
+    rounding = [m for m in messages if "PRECISION IS LOST" in m]
+    assert len(rounding) == 2, messages  # keys and values, once each
+    assert "KV cache layer 0 (StaticLayer) stores keys in torch.bfloat16 but the model writes key states in torch.float32" in rounding[0]
+    assert "Build the cache in torch.float32 to keep full precision" in rounding[0]
+    # The static buffers kept their dtype (compiled graphs and exported programs hold them) ...
+    assert torch.equal(tokens, ref_tokens)
+    # ... so the logits are those of bfloat16-rounded keys/values, close to but not the float32 run.
+    assert not torch.equal(logits, ref_logits)
+    torch.testing.assert_close(logits, ref_logits, atol=5e-3, rtol=5e-2)
+    with patch_on(), guard.using_mode("strict"), pytest.raises(guard.CacheDtypeError, match="stores keys in torch.bfloat16"):
+        generate(model, past_key_values=_static_cache(model, torch.bfloat16))
+
+
+# -- issue 15.4: cross-attention caches ----------------------------------------------------------------
+
+SOURCE_IDS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+DECODER_IDS = torch.tensor([[3, 20, 21, 22], [3, 23, 24, 25]])
+_SEQ2SEQ: dict = {}
+
+
+def tiny_seq2seq(kind: str, dtype: torch.dtype):
+    key = (kind, dtype)
+    if key not in _SEQ2SEQ:
+        torch.manual_seed(0)
+        if kind == "t5":
+            config = T5Config(
+                vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+            )
+            cls = T5ForConditionalGeneration
+        else:  # MVP: Bart-like, attention written inline (torch.bmm) in every 5.x release
+            config = MvpConfig(
+                vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+            )
+            cls = MvpForConditionalGeneration
+        config._attn_implementation = "eager"
+        model = cls(config).eval().to(dtype)
+        model.generation_config.eos_token_id = None
+        _SEQ2SEQ[key] = model
+    return _SEQ2SEQ[key]
+
+
+def float32_encoder_decoder_prefix(kind: str, cast_to: torch.dtype | None = None) -> EncoderDecoderCache:
+    """Encoder run and decoder prompt computed once by the float32 twin (self- and cross-attention filled)."""
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    with torch.no_grad():
+        tiny_seq2seq(kind, torch.float32)(
+            input_ids=SOURCE_IDS, decoder_input_ids=DECODER_IDS[:, :-1], past_key_values=cache, use_cache=True
+        )
+    if cast_to is not None:
+        for part in (cache.self_attention_cache, cache.cross_attention_cache):
+            for layer in part.layers:
+                layer.keys, layer.values = layer.keys.to(cast_to), layer.values.to(cast_to)
+    return cache
+
+
+def generate_seq2seq(model, cache):
+    out = model.generate(
+        input_ids=SOURCE_IDS, decoder_input_ids=DECODER_IDS, past_key_values=cache, max_new_tokens=NEW_TOKENS,
+        do_sample=False, disable_compile=True, return_dict_in_generate=True, output_logits=True,
+    )
+    return out.sequences[:, -NEW_TOKENS:], torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("kind", ["t5", "mvp"])
+def test_float32_prefilled_encoder_decoder_cache_with_a_bfloat16_decoder(kind):
+    model = tiny_seq2seq(kind, torch.bfloat16)
+    with stock():
+        with pytest.raises(RuntimeError, match=re.escape(EAGER_ERROR)):
+            generate_seq2seq(model, float32_encoder_decoder_prefix(kind))
+        ref_tokens, ref_logits = generate_seq2seq(model, float32_encoder_decoder_prefix(kind, cast_to=torch.bfloat16))
+    with patch_on(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = float32_encoder_decoder_prefix(kind)
+        tokens, logits = generate_seq2seq(model, cache)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(logits, ref_logits)  # attention saw exactly the bfloat16-cast prefix
+    # The cross-attention cache was converted once, in place; the self-attention cache keeps float32.
+    assert {layer.keys.dtype for layer in cache.cross_attention_cache.layers} == {torch.bfloat16}
+    assert {layer.keys.dtype for layer in cache.self_attention_cache.layers} == {torch.float32}
+    assert any("cross-attention cache layer 0" in m and "converted it once, in place" in m for m in cache_warnings(caught))
+
+
+def test_deep_copied_encoder_decoder_prefix_is_aligned_too():
+    # Prefix reuse as documented upstream: copy.deepcopy(prompt_cache) for every continuation.
+    model = tiny_seq2seq("mvp", torch.bfloat16)
+    with stock():
+        ref_tokens, _ = generate_seq2seq(model, float32_encoder_decoder_prefix("mvp", cast_to=torch.bfloat16))
+    with patch_on():
+        prompt_cache = float32_encoder_decoder_prefix("mvp")
+        first, _ = generate_seq2seq(model, copy.deepcopy(prompt_cache))
+        second, _ = generate_seq2seq(model, copy.deepcopy(prompt_cache))
+    assert torch.equal(first, ref_tokens) and torch.equal(second, ref_tokens)
+    # The prompt cache itself was left in float32: only the copies were aligned.
+    assert {layer.keys.dtype for layer in prompt_cache.cross_attention_cache.layers} == {torch.float32}
+
+
+def test_strict_mode_names_the_cross_attention_cache():
+    model = tiny_seq2seq("mvp", torch.bfloat16)
+    with patch_on(), guard.using_mode("strict"):
+        with pytest.raises(guard.CacheDtypeError, match=r"cross-attention cache layer 0 \(DynamicLayer\) stores keys in torch.float32"):
+            generate_seq2seq(model, float32_encoder_decoder_prefix("mvp"))
+
+
+# -- issue 12: the hot path ---------------------------------------------------------------------------
+
+
+def _python_calls(call) -> int:
+    """How many Python frames ``call()`` runs (C functions not counted)."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event == "call":
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+def test_hot_path_runs_no_extra_python_frame(cache_kind):
+    config = tiny_lm("llama", "sdpa", torch.bfloat16).config
+    k_prefix = torch.randn(1, 2, 32, 8, dtype=torch.bfloat16)
+    v_prefix = torch.randn(1, 2, 32, 8, dtype=torch.bfloat16)
+    k, v = torch.randn(1, 2, 1, 8, dtype=torch.bfloat16), torch.randn(1, 2, 1, 8, dtype=torch.bfloat16)
+
+    def decode_step_calls() -> tuple[int, torch.Tensor]:
+        if cache_kind == "static":
+            cache = StaticCache(config=config, max_cache_len=40)
+            cache.early_initialization(1, 2, 8, torch.bfloat16, "cpu")
+        else:
+            cache = DynamicCache(config=config)
+        cache.update(k_prefix, v_prefix, 0)
+        calls = _python_calls(lambda: cache.update(k, v, 0))
+        return calls, cache.update(k, v, 0)[0]
+
+    with stock():
+        stock_calls, stock_keys = decode_step_calls()
+    with patch_on():
+        calls, keys = decode_step_calls()
+    assert calls == stock_calls, (calls, stock_calls)
+    assert torch.equal(keys, stock_keys)
+
+
+def test_lazily_appended_layers_are_built_as_on_stock():
+    # DynamicCache() without a config appends its layers inside Cache.update, one per new layer_idx.
+    model = tiny_lm("qwen3", "eager", torch.float32)
+
+    def run():
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, past_key_values=cache, use_cache=True)
+        return [(type(layer).__name__, layer.keys.dtype, tuple(layer.keys.shape)) for layer in cache.layers], cache
+
+    with stock():
+        ref, _ = run()
+    with patch_on():
+        got, cache = run()
+    assert got == ref and len(got) == model.config.num_hidden_layers
