@@ -10,4 +10,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "kv_cache_dtype",
     "attention_guard",
     "executorch_cache_dtype",
+    "kept_static_cache",
 )
