@@ -13,6 +13,14 @@ The replacement decides from the model's effective plan (``model.tp_plan``, the 
 shape, so everything else each variant does stays exactly as shipped: the device-map check, the
 MLA check, per-layer head counts (5.18+), the uneven-heads fallback to lazy initialisation
 (``None``) and the return types.
+
+transformers 5.16.0 - 5.16.1 slip the other way: they never assign ``model._tp_size`` when they
+shard a model, so their own function never divides, and a ``colwise`` key projection (Llama's own
+plan) meets a cache with every head: ``index_copy_(): Source/destination tensor must have same
+slice shapes``. There the replacement reads the tensor-parallel size the model was sharded with
+(:func:`sharded_tp_size`: ``model._device_mesh`` is set and ``model.config.distributed_config``
+holds the size, exactly what 5.17.0 copies into ``_tp_size``) and lets the original divide by it,
+for ``colwise`` plans only; plans that keep every head are already right there.
 """
 
 from __future__ import annotations
@@ -89,21 +97,37 @@ def _warn_unknown_styles(unknown: list[str], styles: Mapping[str, str]) -> None:
         )
 
 
-class _WithFullHeads:
+class _AsIfTpSize:
     """Stands in for the model while the release's own function computes the cache shape.
 
-    It reports no tensor parallelism (``_tp_size`` is ``None``) and forwards every other attribute
-    to the model, so the original code runs unchanged and sizes the cache with every head.
+    It reports ``tp_size`` as the model's ``_tp_size`` (``None``: no tensor parallelism, so the
+    original sizes the cache with every head) and forwards every other attribute to the model, so
+    the original code runs unchanged.
     """
 
-    __slots__ = ("_model",)
-    _tp_size = None
+    __slots__ = ("_model", "_tp_size")
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, tp_size: int | None) -> None:
         object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_tp_size", tp_size)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_model"), name)
+
+
+def sharded_tp_size(model: Any) -> int:
+    """The tensor-parallel size the model was sharded with, read where 5.16.x leave it.
+
+    transformers 5.16.0 - 5.16.1 shard the model (``model._device_mesh``, and the
+    ``DistributedConfig`` in ``model.config.distributed_config``) but never assign
+    ``model._tp_size``; 5.17.0 assigns ``distributed_config.tp_size`` there. 1 when the model was
+    not sharded for tensor parallelism.
+    """
+    if getattr(model, "_device_mesh", None) is None:
+        return 1
+    distributed = getattr(getattr(model, "config", None), "distributed_config", None)
+    size = distributed.get("tp_size") if isinstance(distributed, dict) else getattr(distributed, "tp_size", None)
+    return size if isinstance(size, int) and size > 1 else 1
 
 
 def _effective_tp_plan(model: Any) -> Mapping[str, Any]:
@@ -117,14 +141,36 @@ def _effective_tp_plan(model: Any) -> Mapping[str, Any]:
 def make_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     @wraps(original)
     def _get_static_cache_init_shape(self):
-        tp_size = getattr(self, "_tp_size", None) or 1
-        if tp_size > 1 and kv_heads_sharding(_effective_tp_plan(self)) == "full":
-            return original(_WithFullHeads(self))
-        # Sharded by head: the original divides (each layer's count; None when uneven), which is
-        # right. Unknown style: the original's behaviour, unguessed.
+        recorded = getattr(self, "_tp_size", None) or 1
+        tp_size = recorded if recorded > 1 else sharded_tp_size(self)
+        if tp_size > 1:
+            sharding = kv_heads_sharding(_effective_tp_plan(self))
+            if sharding == "full":
+                shape = original(_AsIfTpSize(self, None))
+                if recorded > 1 and shape is not None:
+                    # Slow path: the original would have divided heads that every rank holds.
+                    _record(f"kept {shape[0]} KV heads per rank (plan leaves k_proj unsharded)")
+                return shape
+            if sharding == "sharded" and recorded <= 1:
+                # 5.16.x: sharded by head, but the release never recorded tp_size, so its own code
+                # would allocate every head. Divide by the size the model was sharded with.
+                shape = original(_AsIfTpSize(self, tp_size))
+                _record(f"divided KV heads by the tensor-parallel size {tp_size} (k_proj sharded colwise)")
+                return shape
+        # Sharded by head with tp_size recorded: the original divides (each layer's count; None
+        # when uneven), which is right. Unknown style: the original's behaviour, unguessed.
         return original(self)
 
     return _get_static_cache_init_shape
+
+
+def _record(action: str) -> None:
+    import torch
+
+    from overlay import report
+
+    if not torch.compiler.is_compiling():
+        report.record(PATCH_ID, action)
 
 
 PATCH = Patch(

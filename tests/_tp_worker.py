@@ -47,12 +47,20 @@ def _generate(model, torch, case: dict, chunked: bool) -> dict:
     )
     if chunked:
         kwargs["prefill_chunk_size"] = case["prefill_chunk_size"]
+    from overlay import report
+
+    report.reset()
     try:
         with torch.no_grad():
             out = model.generate(**kwargs)
     except Exception as exc:  # the stock run is expected to fail on affected releases
-        return {"error": {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}}
-    return {"ids": out.tolist()}
+        result = {"error": {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}}
+    else:
+        result = {"ids": out.tolist()}
+    # Calls in which the patch changed the cache shape (overlay.report, the patch's slow path).
+    result["fired"] = report.fired().get("static-cache-tp-heads", 0)
+    result["actions"] = sorted(report.fired_actions().get("static-cache-tp-heads", {}))
+    return result
 
 
 def _local_rows(model, name: str) -> int:

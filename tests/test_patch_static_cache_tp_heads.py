@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from packaging.specifiers import SpecifierSet
@@ -48,8 +49,9 @@ TRANSFORMERS_VERSION = Version(importlib.metadata.version("transformers"))
 AFFECTED = SpecifierSet(PATCH.affected).contains(TRANSFORMERS_VERSION, prereleases=True)
 FIXED_UPSTREAM = Version(TRANSFORMERS_VERSION.base_version) >= Version(PATCH.fixed_in)
 # transformers 5.16.0 - 5.16.1 load a tensor-parallel model without ever setting
-# `model._tp_size` (their distributed mixin declares it and never assigns it), so the eager
-# static cache never sees tensor parallelism there and bug 2 stays latent on those releases.
+# `model._tp_size` (their distributed mixin declares it and never assigns it), so their eager
+# static cache never divides: plans that keep every head work stock there, and a colwise k_proj
+# fails the other way round (the patch divides by the size the model was sharded with).
 TP_SIZE_RECORDED = not (Version("5.16.0") <= Version(TRANSFORMERS_VERSION.base_version) < Version("5.17.0"))
 
 INDEX_COPY_ERROR = "index_copy_(): Source/destination tensor must have same slice shapes"
@@ -144,6 +146,16 @@ class ShardedModelStandIn:
         self.tp_plan = tp_plan
         if hf_device_map is not None:
             self.hf_device_map = hf_device_map
+
+
+class ShardedBy516StandIn(ShardedModelStandIn):
+    """A model as 5.16.x leave it after sharding: a device mesh and the ``DistributedConfig`` in
+    ``config.distributed_config``, but ``_tp_size`` never assigned (the class default ``None``)."""
+
+    def __init__(self, config, tp_size, tp_plan):
+        super().__init__(config, None, tp_plan)
+        self._device_mesh = object()
+        self.config.distributed_config = SimpleNamespace(tp_size=tp_size)
 
 
 def tiny_text_config(num_key_value_heads=4, per_layer_kv_heads=None, **extra):
@@ -267,6 +279,41 @@ def test_unknown_style_keeps_transformers_behaviour_and_warns_once(fresh_warning
     if AFFECTED:
         # "transformers' behaviour" on an affected release is the division by tp_size.
         assert replacement(packed) == (2, 8)
+
+
+# 5.16.x leave `_tp_size` unset: (plan, expected shape with the patch, stock shape on 5.13-5.19).
+UNRECORDED_TP_SIZE_CASES = {
+    "k_proj colwise: divided by the sharded size": ({**ATTENTION_COLWISE, **MLP}, (2, 8), (4, 8)),
+    "k_proj colwise_gather_output: every head": ({**ATTENTION_GATHERED, **MLP}, (4, 8), (4, 8)),
+    "attention not in the plan: every head": (dict(MLP), (4, 8), (4, 8)),
+}
+
+
+@pytest.mark.parametrize("case", list(UNRECORDED_TP_SIZE_CASES))
+def test_tp_size_the_release_never_recorded(case):
+    from overlay import report
+
+    plan, expected, stock_affected = UNRECORDED_TP_SIZE_CASES[case]
+    model = ShardedBy516StandIn(tiny_text_config(4), 2, plan)
+    report.reset()
+    assert TARGET.replace(stock_static_cache_init_shape())(model) == expected
+    # Only the colwise plan needed a change (the stock code keeps every head here).
+    assert (report.fired().get(PATCH.id, 0) > 0) == (expected != stock_affected)
+    if AFFECTED:
+        assert stock_static_cache_init_shape()(model) == stock_affected
+
+
+def test_fired_counter_counts_only_calls_that_changed_the_shape():
+    from overlay import report
+
+    replacement = TARGET.replace(stock_static_cache_init_shape())
+    report.reset()
+    for plan, tp_size in (({**ATTENTION_COLWISE, **MLP}, 2), ({**ATTENTION_GATHERED, **MLP}, None), (dict(MLP), 1)):
+        replacement(ShardedModelStandIn(tiny_text_config(4), tp_size, plan))
+    assert report.fired().get(PATCH.id, 0) == 0, "nothing to fix: colwise keys, or no tensor parallelism"
+    assert replacement(ShardedModelStandIn(tiny_text_config(4), 2, dict(MLP))) == (4, 8)
+    assert report.fired()[PATCH.id] == 1
+    assert report.fired_actions()[PATCH.id] == {"kept 4 KV heads per rank (plan leaves k_proj unsharded)": 1}
 
 
 # -- two ranks on CPU ---------------------------------------------------------------------------
@@ -447,24 +494,22 @@ def test_chunked_static_generation_under_tensor_parallelism(plan_name, tp_run):
     assert outcome(runs["unchunked"]) == tp_run["reference"][model]
 
     stock = runs["chunked_stock"]
-    if not TP_SIZE_RECORDED and plan_name not in FULL_HEAD_PLANS:
-        # 5.16.x's own, opposite slip: with `_tp_size` unset the cache keeps every head although
-        # colwise keys hold half of them. The overlay defers to transformers for colwise plans
-        # and does not repair this (a known limitation, in the README): both runs fail alike.
-        for run in (stock, runs["chunked_patched"]):
-            assert "error" in run and INDEX_COPY_ERROR in run["error"]["message"], run
-        assert first["patch_status"]["state"] == "applied", first["patch_status"]
-        return
-    if AFFECTED and TP_SIZE_RECORDED and plan_name in FULL_HEAD_PLANS:
+    # Where stock transformers sizes the eager cache wrongly: every plan that keeps all heads,
+    # except on 5.16.x, which never divide and so fail on the colwise plan instead.
+    stock_fails = AFFECTED and ((plan_name in FULL_HEAD_PLANS) == TP_SIZE_RECORDED)
+    if stock_fails:
         assert "error" in stock, f"expected the stock chunked run to fail on {TRANSFORMERS_VERSION}"
         assert stock["error"]["type"] == "RuntimeError"
         assert INDEX_COPY_ERROR in stock["error"]["message"]
     else:
         assert "ids" in stock, stock.get("error", {}).get("traceback")
         assert stock["ids"] == runs["unchunked"]["ids"]
+    assert stock["fired"] == 0, "the patch is not applied in the stock run"
 
     status = first["patch_status"]
     assert status["state"] == ("applied" if AFFECTED else "fixed upstream"), status
     patched = runs["chunked_patched"]
     assert "ids" in patched, patched.get("error", {}).get("traceback")
     assert patched["ids"] == runs["unchunked"]["ids"] == tp_run["reference"][model]
+    # The patch counts exactly the runs it had to fix.
+    assert (patched["fired"] > 0) == stock_fails, patched
