@@ -5,10 +5,10 @@ The main-job line installs torch, transformers and this project into ``.venv`` a
 directory, where ``python -m`` puts the source tree's ``overlay/`` first on ``sys.path``, before the
 installed wheel. That is the situation this test exists for.
 
-For speed the clone's ``.venv`` is a link to a venv kept under ``.cache/`` of this checkout (the
-first run creates it through the README's own command; later runs find torch installed). The
-clone itself is made anew each run, always at the same path, so the cached venv's scripts, which
-record that path, stay valid.
+For speed the clone's ``.venv`` is kept under ``.cache/`` of this checkout between runs (the first
+run creates it through the README's own command; later runs find torch installed). The clone is
+made anew each run, always at the same path, and the kept venv is moved into it, so the venv's
+scripts, which record that path, stay valid.
 """
 
 from __future__ import annotations
@@ -51,17 +51,22 @@ def _newcomer_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def clone() -> Path:
+def clone():
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs git and a git checkout to clone")
-    target = CACHE / "readme-clone"
+    target, kept_venv = CACHE / "readme-clone", CACHE / "readme-venv"
+    CACHE.mkdir(exist_ok=True)
+    if (target / ".venv").is_dir() and not kept_venv.exists():  # an interrupted earlier run
+        (target / ".venv").rename(kept_venv)
     shutil.rmtree(target, ignore_errors=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(["git", "clone", "-q", str(REPO), str(target)], check=True, timeout=120)
-    venv = CACHE / "readme-venv"
-    venv.mkdir(exist_ok=True)
-    (target / ".venv").symlink_to(venv, target_is_directory=True)
-    return target
+    if kept_venv.is_dir():
+        kept_venv.rename(target / ".venv")  # same path as when it was made: its scripts stay valid
+    try:
+        yield target
+    finally:
+        if (target / ".venv").is_dir():
+            (target / ".venv").rename(kept_venv)
 
 
 @pytest.fixture(scope="module")
