@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from overlay.patch import Patch, Target, wraps
 
+PATCH_ID = "device-move-nested"
 MODULE = "transformers.generation.utils"
 QUALNAME = "GenerationMixin.prepare_inputs_for_generation"
 
@@ -97,14 +98,26 @@ def _replace_prepare_inputs_for_generation(original):
         prepared_device = getattr(prepared, "device", None)
         if given_device is not None and prepared_device is not None and prepared_device != given_device:
             # Step 6 moved the top-level tensors to self.device; now the nested ones too.
-            model_inputs = move_tree(model_inputs, prepared_device)
+            moved = move_tree(model_inputs, prepared_device)
+            if moved is not model_inputs:  # something nested was off the device (move_tree
+                model_inputs = moved  # hands back the very same dict when nothing was)
+                _record(prepared_device)
         return model_inputs
 
     return prepare_inputs_for_generation
 
 
+def _record(device) -> None:
+    import torch
+
+    from overlay import report
+
+    if not torch.compiler.is_compiling():
+        report.record(PATCH_ID, f"moved nested tensors to {device}")
+
+
 PATCH = Patch(
-    id="device-move-nested",
+    id=PATCH_ID,
     title="Move nested input tensors (per-layer-type attention masks) onto the model device",
     errors=(
         "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "

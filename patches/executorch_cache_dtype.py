@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from overlay.patch import Patch, Target, wraps
 
+PATCH_ID = "executorch-cache-dtype"
 MODULE = "transformers.integrations.executorch"
 
 
@@ -46,6 +47,7 @@ def _realloc_cache_in_model_dtype(module, model):
     dtype = getattr(model, "dtype", None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         return
+    reallocated = None
     for i, layer in enumerate(module.static_cache.layers):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if keys is None or values is None or (keys.dtype == dtype and values.dtype == dtype):
@@ -62,10 +64,15 @@ def _realloc_cache_in_model_dtype(module, model):
         )
         module.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
         module.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+        reallocated = keys.dtype
+    if reallocated is not None and not torch.compiler.is_compiling():
+        from overlay import report
+
+        report.record(PATCH_ID, f"allocated the export cache in {dtype} instead of {reallocated}")
 
 
 PATCH = Patch(
-    id="executorch-cache-dtype",
+    id=PATCH_ID,
     title="ExecuTorch seq2seq export allocates its static cache in the model's dtype",
     errors=(
         "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16",

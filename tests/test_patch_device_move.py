@@ -283,6 +283,23 @@ def test_host_inputs_with_static_cache_with_the_overlay(matrix, model):
     assert run["ids"] == runs["patched"]["device_static"]["ids"]
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_fired_counter_counts_the_steps_that_moved_nested_tensors(matrix, model):
+    runs = matrix["runs"][model]
+    fixing = runs["patched"]["host_static"]
+    if model in BUGGY_MODELS and stock_fails(model):
+        # Every step builds the nested masks on the host: each one is moved and counted.
+        assert fixing["fired"] > 0
+        assert fixing["actions"] == [f"moved nested tensors to {matrix['device']}"]
+    else:
+        assert fixing["fired"] == 0, "one top-level mask (Llama, Qwen 3 on 5.13.x) or fixed upstream: nothing nested"
+    # Nothing to fix: inputs on the device, a dynamic cache, or the overlay off.
+    for case in ("device_static", "host_dynamic", "device_dynamic"):
+        assert runs["patched"][case]["fired"] == 0, case
+    for case, run in runs["stock"].items():
+        assert run["fired"] == 0, case
+
+
 @pytest.mark.parametrize("case", ["device_static", "host_dynamic", "device_dynamic"])
 @pytest.mark.parametrize("state", ["stock", "patched"])
 @pytest.mark.parametrize("model", MODELS)
@@ -379,6 +396,7 @@ def _worker(device_spec: str) -> dict:
     from transformers.generation.utils import GenerationMixin
 
     import overlay
+    from overlay import report
     from overlay.patch import PATCH_MARKER
 
     sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -411,14 +429,19 @@ def _worker(device_spec: str) -> dict:
         ids, mask = (host_ids.to(device), host_mask.to(device)) if inputs_on_device else (host_ids, host_mask)
         seen: set = set()
         hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen.update(forward_devices(kw)), with_kwargs=True)
+        report.reset()
         try:
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                  cache_implementation=cache, disable_compile=True, pad_token_id=0)
-            return {"ok": True, "ids": out.cpu().tolist(), "forward_devices": sorted(seen)}
+            result = {"ok": True, "ids": out.cpu().tolist(), "forward_devices": sorted(seen)}
         except RuntimeError as err:
-            return {"ok": False, "error": str(err), "forward_devices": sorted(seen)}
+            result = {"ok": False, "error": str(err), "forward_devices": sorted(seen)}
         finally:
             hook.remove()
+        # Steps in which the patch moved something (overlay.report, counted on its slow path only).
+        result["fired"] = report.fired().get(PATCH_ID, 0)
+        result["actions"] = sorted(report.fired_actions().get(PATCH_ID, {}))
+        return result
 
     cases = {
         "host_static": (False, "static"),
