@@ -1,13 +1,14 @@
 """Which transformers release gets which status from each patch: the one table that the matrix
 tests, the README table and the nox lanes all read.
 
-Nothing here is written down twice. A patch file declares the releases that carry its bug
-(``affected``, a PEP 440 specifier) and the first release that fixes it upstream (``fixed_in``);
-the expected status of every (release, patch) pair follows from those two fields alone:
+Nothing here is written down twice, and nothing here decides: the expected status of every
+(release, patch) pair is what the engine's own version gate (:func:`overlay.engine.gate`) says
+for that release, from the patch's ``affected`` (a PEP 440 specifier) and ``fixed_in``:
 
-- release in ``affected``                 -> ``applied``
-- release at or after ``fixed_in``        -> ``fixed upstream``
-- anything else                           -> ``not affected``
+- in ``affected``: the gate says "pending" (read the code next); with the code the patch was
+  written for, that ends in ``applied``
+- at or after ``fixed_in``: ``fixed upstream``
+- anything else: ``not affected``
 
 The fingerprints are the *other* statement of the same facts (which code each release ships).
 The two are checked against each other, never merged: ``tests/test_matrix.py`` asserts that the
@@ -60,13 +61,6 @@ FULL_SUITE_RELEASE = "5.18.0"
 #: The one torch every lane shares: the CPU build that lies on this kind of machine's disk.
 TORCH = "2.13.0"
 
-# The engine's own words for these outcomes (overlay.engine is cheap to import: no torch,
-# no transformers, no packaging at import time).
-APPLIED = "applied"
-FIXED_UPSTREAM = "fixed upstream"
-NOT_AFFECTED = "not affected"
-
-
 def ensure_overlay_importable() -> None:
     """Make ``overlay`` and ``overlay.patches`` importable from this checkout.
 
@@ -106,17 +100,27 @@ def load_patches():
     return load()
 
 
-def expected_status(patch, version: str) -> str:
-    """The status ``patch`` must reach on transformers ``version``, from its declaration alone."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
+# The engine's own words for the outcomes the matrix expects (importing the engine is cheap: no
+# torch, no transformers, no packaging at import time).
+ensure_overlay_importable()
+from overlay import engine as _engine  # noqa: E402
 
-    release = Version(version)
-    if SpecifierSet(patch.affected).contains(release, prereleases=True):
+APPLIED = _engine.APPLIED
+FIXED_UPSTREAM = _engine.FIXED_UPSTREAM
+#: A release outside the patch's declared range (the engine checks no code there).
+NOT_AFFECTED = getattr(_engine, "OUT_OF_RANGE", None) or _engine.NOT_AFFECTED
+
+
+def expected_status(patch, version: str) -> str:
+    """The status ``patch`` must reach on transformers ``version``: the engine's gate decides."""
+    state, reason = _engine.gate(patch, version)
+    if state == _engine.PENDING:
+        # In range: the engine reads the code next, and the release's code is one the patch was
+        # written for (the lanes and the fingerprint tool prove that part).
         return APPLIED
-    if patch.fixed_in is not None and Version(release.base_version) >= Version(patch.fixed_in):
-        return FIXED_UPSTREAM
-    return NOT_AFFECTED
+    if state not in (FIXED_UPSTREAM, NOT_AFFECTED):
+        raise ValueError(f"{patch.id} on transformers {version}: {state}: {reason}")
+    return state
 
 
 def expected_statuses(version: str, patches: Sequence | None = None) -> dict[str, str]:

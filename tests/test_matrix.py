@@ -86,6 +86,26 @@ def test_every_declared_release_range_is_in_the_matrix():
             assert statuses[matrix_data.RELEASES.index(patch.fixed_in)] == matrix_data.FIXED_UPSTREAM
 
 
+def test_expected_statuses_are_the_engine_gate_in_the_engine_words():
+    out_of_range = engine.gate(dataclasses.replace(PATCHES[0], affected="<1", fixed_in=None), "5.13.0")[0]
+    assert (matrix_data.APPLIED, matrix_data.FIXED_UPSTREAM, matrix_data.NOT_AFFECTED) == (
+        engine.APPLIED, engine.FIXED_UPSTREAM, out_of_range
+    )
+    probe = dataclasses.replace(PATCHES[0], affected=">=5.13.0,<5.15.0", fixed_in="5.15.0")
+    for release, gate_state, expected in (
+        ("5.12.1", out_of_range, matrix_data.NOT_AFFECTED),
+        ("5.13.0", engine.PENDING, matrix_data.APPLIED),
+        ("5.14.1", engine.PENDING, matrix_data.APPLIED),
+        ("5.14.1.dev0", engine.PENDING, matrix_data.APPLIED),
+        ("5.15.0.dev0", engine.FIXED_UPSTREAM, matrix_data.FIXED_UPSTREAM),  # by its release number
+        ("5.15.0", engine.FIXED_UPSTREAM, matrix_data.FIXED_UPSTREAM),
+    ):
+        assert engine.gate(probe, release)[0] == gate_state, release
+        assert matrix_data.expected_status(probe, release) == expected, release
+    with pytest.raises(ValueError, match="not a PEP 440 version"):
+        matrix_data.expected_status(probe, "five")
+
+
 def test_readme_table_is_generated_from_the_matrix():
     text = readme_table.README.read_text(encoding="utf-8")
     assert readme_table.replace_block(text, readme_table.render_block()) == text, (
@@ -226,8 +246,8 @@ def test_apply_cli_reports_unrecognised_code_for_a_changed_release(tmp_path):
     )
     assert done.stdout.strip(), done.stderr
     report = json.loads(done.stdout)
-    assert report.get("hook_active") is True, report
-    states = {s["id"]: s for s in report["status"]}
+    assert report["hook"]["active"] is True, report
+    states = {s["id"]: s for s in report["patches"]}
     assert states[patch.id]["state"] == engine.UNRECOGNISED, states[patch.id]
     assert target.qualname in states[patch.id]["reason"]
     for other in PATCHES:
