@@ -295,11 +295,9 @@ PATCH = Patch(
         "query and key must have the same dtype",
     ),
     why=(
-        "Cache layers allocate from the first states they see (or from early_initialization's dtype) and "
-        "never reconcile later writes: StaticLayer.index_copy_ refuses another dtype, DynamicLayer's torch.cat "
-        "promotes the whole cache, Cache.update hands attention whatever the cache holds, and encoder-decoder "
-        "models read the cross-attention cache directly, so a cache built in float32 (user-built, a float32 "
-        "prefix, generate's early init under autocast) meets a bfloat16 query."
+        "Cache layers keep the dtype they were first built in and never reconcile later states with it, so "
+        "a cache built in float32 (user-built, a float32 prefix, generate's early init under autocast) meets "
+        "bfloat16 states and a bfloat16 query."
     ),
     upstream="none: no transformers release up to 5.24.0 aligns KV cache dtypes",
     affected=">=5.13.0",
