@@ -116,7 +116,8 @@ def render_block(releases: Sequence[str] = matrix_data.RELEASES, patches: Sequen
             render_table(table, [p.id for p in patches]),
             "",
             "*applied*: the overlay patches this release; *fixed upstream*: the release ships the fix "
-            "and the overlay steps aside; *not affected*: the release does not carry the bug. Each row "
+            "and the overlay steps aside; *out of range*: the release is outside the releases the patch was "
+            "written for (nothing patched, nothing checked). Each row "
             "is a test lane of its own (`nox -s tf-5.18.0`), all rows: `nox -t matrix`; CI runs the "
             f"whole suite on {matrix_data.FULL_SUITE_RELEASE} and the lanes {ci}.",
         ]
