@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-FIGURES = {1, 2, 3, 4, 5, 6}
+FIGURES = {1, 2, 3, 4, 5, 6, 7, 8}
 FIGURE_STATUSES = {"ok", "not run"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -106,15 +106,33 @@ def test_figure_premises_hold(smoke_run):
         on_device = figures[3]["details"]["on_device"]
         assert on_device["attention_mask_type"] == "dict" and on_device["results_identical"] is True
     assert figures[4]["details"]["same_tokens_with_and_without"] is True
+    assert figures[4]["details"]["same_tokens_with_and_without_deep"] is True
     if figures[6]["status"] == "not run":
         assert "no CUDA" in figures[6]["reason"]
+    # Figure 7 times the overlay's wrappers against stock code, and both give the same tensors.
+    assert figures[7]["status"] == "ok"
+    for lane, details in figures[7]["details"]["lanes"].items():
+        assert details["same_results_with_and_without"] is True, lane
+        reverted, applied = details["code_when_reverted"], details["code_when_applied"]
+        assert all("transformers" in path for path in reverted.values()), (lane, reverted)
+        assert applied != reverted, lane
+        assert [row["call"] for row in details["table"]] == [
+            "StaticCache.update", "DynamicCache.update (32 cached positions)",
+            'get_interface("sdpa", default) + SDPA call'], lane
+        assert set(details["totals"]) == {"static", "dynamic"}, lane
+    # Figure 8 (callgrind) is slow: the smoke run does a dry run of its worker without valgrind.
+    assert figures[8]["status"] == "not run" and figures[8]["reason"]
+    if "dry run" in figures[8]["reason"]:
+        assert figures[8]["details"]["dry_run_regions"] == [
+            "tiny-static|overlay|1|0", "tiny-static|overlay|2|0", "tiny-static|without|1|0", "tiny-static|without|2|0"]
 
 
 def test_markdown_summary_on_stdout(smoke_run):
     _, done = smoke_run
     assert "| fig | case | median | min | max |" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| fig")]
-    assert {int(line.split("|")[1]) for line in rows} == FIGURES
+    assert {int(line.split("|")[1]) for line in rows if line.split("|")[1].strip().isdigit()} == FIGURES
+    assert "| transformers | call | stock | with overlay |" in done.stdout
     assert "wrote " in done.stdout
 
 

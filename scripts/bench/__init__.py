@@ -15,8 +15,14 @@ Figures (goal in brackets; every ratio is per round, summarised as median/min/ma
    and the decoding-step time ratio [<= 1.01]
 5. extra tensor copies per decoding step when dtypes already match [0]
 6. GPU only: host-input static-cache ``generate`` / on-device-input one, tokens/s [>= 0.98]
+7. extra time per layer and decoding step (cache update + attention call), overlay applied /
+   reverted, min of ``timeit`` repeats, on transformers 5.13.0, 5.18.0, 5.24.0 [<= 1.0 µs]
+8. instructions per decoding step under ``valgrind --tool=callgrind``, counted in the decode loop
+   only, overlay / without: ratio and extra instructions per layer and step (information)
 
-The parent process imports neither torch nor transformers: figures 3-6 run in a fresh worker
+Figure 4 also gives the decoding-step ratio of a model with 8 layers of hidden size 512 [<= 1.005].
+
+The parent process imports neither torch nor transformers: figures 3-8 run in a fresh worker
 interpreter each (``scripts/bench/worker.py``), figures 1-2 in fresh virtual environments.
 """
 
@@ -28,4 +34,6 @@ FIGURES = {
     4: ("generate", "tiny-model generate(): overlay / without, nothing to fix"),
     5: ("copies", "extra tensor copies per decoding step when dtypes already match"),
     6: ("gpu_host_inputs", "GPU static-cache generate: host-side inputs / on-device inputs (overlay applied)"),
+    7: ("per_call", "extra µs per layer and decoding step: cache update + attention call, overlay / reverted"),
+    8: ("callgrind", "instructions per decoding step (callgrind, decode loop only): overlay / without"),
 }

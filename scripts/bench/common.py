@@ -121,12 +121,16 @@ class Case:
     best_ratio: float | None = None
     """For ratios: the ratio of each variant's fastest sample, the estimate least disturbed by
     other processes (``timeit``'s advice); reported next to the per-round median."""
+    best: float | None = None
+    """For differences (figure 7): fastest sample with − fastest sample without."""
+    judged_on: str = "median"
+    """What the goal is judged on: ``"median"`` (of the per-round values) or ``"best"``."""
 
     @property
     def passed(self) -> bool | None:
         if self.goal is None or self.stats is None or self.status != OK:
             return None
-        median = float(self.stats["median"])
+        median = float(self.best if self.judged_on == "best" and self.best is not None else self.stats["median"])
         if self.direction == AT_MOST:
             return median <= self.goal
         if self.direction == AT_LEAST:
@@ -150,6 +154,8 @@ class Case:
             "denominator": self.denominator,
             "note": self.note,
             "best_ratio": self.best_ratio,
+            "best": self.best,
+            "judged_on": self.judged_on,
             "samples": self.samples,
         }
 
@@ -228,6 +234,8 @@ def case_from_dict(data: Mapping[str, Any]) -> Case:
         status=data.get("status", OK),
         samples=data.get("samples"),
         best_ratio=data.get("best_ratio"),
+        best=data.get("best"),
+        judged_on=data.get("judged_on", "median"),
     )
 
 
@@ -245,16 +253,35 @@ def clean_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_worker(name: str, payload: Mapping[str, Any], *, timeout: float) -> dict[str, Any]:
-    """Run ``scripts.bench.worker`` for figure worker ``name`` in a fresh interpreter.
+#: ``--overlay-root DIR``: the workers import ``overlay`` (and ``patches/`` as ``overlay.patches``)
+#: from another checkout of the project, e.g. a ``git worktree`` of an older commit, to measure a
+#: BEFORE next to an AFTER with the same benchmark code. None: this checkout (or the installed one).
+OVERLAY_ROOT: str | None = None
+
+
+def worker_command(name: str, payload: Mapping[str, Any], python: str | None = None) -> list[str]:
+    payload = dict(payload)
+    if OVERLAY_ROOT and "overlay_root" not in payload:
+        payload["overlay_root"] = OVERLAY_ROOT
+    return [python or sys.executable, "-m", "scripts.bench.worker", name, json.dumps(payload)]
+
+
+def worker_environment() -> dict[str, str]:
+    env = clean_environment({"ATTN_OVERLAY": "0", "PYTHONUNBUFFERED": "1"})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_worker(name: str, payload: Mapping[str, Any], *, timeout: float, python: str | None = None) -> dict[str, Any]:
+    """Run ``scripts.bench.worker`` for figure worker ``name`` in a fresh interpreter (``python``:
+    another environment's interpreter, e.g. a nox lane with another transformers release).
 
     A fresh process per figure: torch allows renaming its PrivateUse1 backend (the fake device)
     once per process, and each figure starts from the same cold state. The overlay's automatic
     activation is off there (``ATTN_OVERLAY=0``): the workers apply and revert it themselves.
     """
-    env = clean_environment({"ATTN_OVERLAY": "0", "PYTHONUNBUFFERED": "1"})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    command = [sys.executable, "-m", "scripts.bench.worker", name, json.dumps(payload)]
+    env = worker_environment()
+    command = worker_command(name, payload, python)
     try:
         done = subprocess.run(command, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:

@@ -14,25 +14,74 @@ VOCAB = 128
 PAD = 0
 
 
-def gemma3(*, scale: int = 1, dtype: Any = None, seed: int = 0):
+def gemma3(*, scale: int = 1, dtype: Any = None, seed: int = 0, layers: int | None = None):
+    """``layers``: that many layers (sliding and full alternating) instead of ``2 * scale``."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+    pairs = scale if layers is None else layers // 2
     config = Gemma3TextConfig(
         vocab_size=VOCAB * scale,
         hidden_size=64 * scale,
         intermediate_size=128 * scale,
-        num_hidden_layers=2 * scale,
+        num_hidden_layers=2 * pairs,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16 * scale,
         max_position_embeddings=512,
         sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"] * scale,
+        layer_types=["sliding_attention", "full_attention"] * pairs,
         pad_token_id=PAD,
         bos_token_id=1,
         eos_token_id=2,
     )
     return _build(Gemma3ForCausalLM, config, dtype, seed)
+
+
+def gemma3_deep(*, dtype: Any = None, seed: int = 0):
+    """Gemma 3 with 8 layers of hidden size 512 (sliding + full alternating): large enough that a
+    decoding step is mostly the model's own work, as in real use, not the 2-layer toy's Python."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=DEEP_LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=512,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * (DEEP_LAYERS // 2),
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return _build(Gemma3ForCausalLM, config, dtype, seed)
+
+
+DEEP_LAYERS = 8
+
+
+def llama_config(*, layers: int = 2, attn_implementation: str = "sdpa"):
+    """A tiny Llama config (hidden 64, 4 query heads, 2 KV heads of 16): the per-call figure's."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config._attn_implementation = attn_implementation
+    return config
 
 
 def qwen3(*, dtype: Any = None, seed: int = 0):

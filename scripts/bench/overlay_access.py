@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from .common import REPO
@@ -20,8 +21,16 @@ DEVICE_MOVE_MODULE = "device_move"
 DEVICE_MOVE_ID = "device-move-nested"
 
 
-def ensure_overlay_importable() -> str:
-    """Make ``overlay.patches`` importable; returns how the overlay was found (for the report)."""
+def ensure_overlay_importable(root: str | None = None) -> str:
+    """Make ``overlay.patches`` importable; returns how the overlay was found (for the report).
+
+    ``root``: import the overlay from that checkout instead (``--overlay-root``). It goes first on
+    ``sys.path`` (before the working directory, which ``python -m`` puts there), and its
+    ``patches/`` is mapped to ``overlay.patches`` explicitly: an editable install's import finder
+    would otherwise resolve ``overlay.patches`` to the installed checkout's folder.
+    """
+    if root:
+        return _overlay_from(Path(root).resolve())
     import overlay
 
     try:
@@ -37,6 +46,38 @@ def ensure_overlay_importable() -> str:
     spec.loader.exec_module(module)
     overlay.patches = module
     return f"source checkout ({REPO}; patches/ mapped to overlay.patches)"
+
+
+def _overlay_from(root: Path) -> str:
+    if "overlay" in sys.modules:
+        raise RuntimeError(f"overlay already imported from {sys.modules['overlay'].__file__}, cannot switch to {root}")
+    sys.path.insert(0, str(root))
+    import overlay
+
+    found = Path(overlay.__file__).resolve()
+    if root not in found.parents:
+        raise RuntimeError(f"--overlay-root {root}: import overlay resolved to {found}")
+    spec = importlib.util.spec_from_file_location(
+        "overlay.patches", root / "patches" / "__init__.py", submodule_search_locations=[str(root / "patches")]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["overlay.patches"] = module
+    spec.loader.exec_module(module)
+    overlay.patches = module
+    return f"--overlay-root checkout ({found.parent}; patches/ mapped to overlay.patches)"
+
+
+def overlay_files() -> dict[str, str]:
+    """Where the overlay and its patches were imported from (a premise check of every figure)."""
+    import overlay
+
+    files = {"overlay": str(Path(overlay.__file__).resolve())}
+    for name in ("kv_cache_dtype", "attention_guard"):
+        try:
+            files[f"overlay.patches.{name}"] = str(Path(importlib.import_module(f"overlay.patches.{name}").__file__).resolve())
+        except ImportError as exc:
+            files[f"overlay.patches.{name}"] = f"not importable: {exc}"
+    return files
 
 
 def quiet_overlay_logs() -> None:

@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from . import common
 from .common import AT_LEAST, AT_MOST, CHECK_ONLY, EQUAL, OK, REPO
 
 SCHEMA = "attn-overlay-bench/1"
@@ -89,6 +90,7 @@ def build_report(figures: list[Any], *, smoke: bool, started: datetime, load_sta
         "command": " ".join(argv),
         "machine": machine_info(),
         "load_average": {"start": load_start, "end": load_average()},
+        "overlay_root": common.OVERLAY_ROOT,
         "figures": [f.as_dict() for f in figures],
     }
 
@@ -111,7 +113,33 @@ def _number(value: Any, unit: str) -> str:
         return f"{value:.3f}"
     if unit.startswith("ms"):
         return f"{value:.2f} ms"
+    if unit == "µs":
+        return f"{value:+.2f} µs"
+    if unit == "instructions":
+        return f"{value:+,.0f}"
     return f"{value:g}"
+
+
+def per_call_table(report: dict[str, Any]) -> list[str]:
+    """Figure 7 as the issue's table: per release, each call's stock and overlay time (best of all
+    rounds) and the extra, plus the sums per layer and step (median of the per-round sums)."""
+    lines = []
+    for fig in report["figures"]:
+        if fig["id"] != "per_call" or not fig["details"].get("lanes"):
+            continue
+        lines += ["", "Figure 7, per call (µs; stock and overlay: fastest round; extra: overlay − stock of those, "
+                  "and the median of the per-round extras):", "",
+                  "| transformers | call | stock | with overlay | extra (best) | extra (median of rounds) |",
+                  "|---|---|---|---|---|---|"]
+        for lane, details in fig["details"]["lanes"].items():
+            release = details.get("transformers", lane)
+            for row in details["table"]:
+                lines.append(f"| {release} | {row['call']} | {row['stock_us']:.2f} | {row['overlay_us']:.2f} | "
+                             f"{row['extra_us']:+.2f} | {row['extra_us_median_of_rounds']:+.2f} |")
+            for total, values in details["totals"].items():
+                lines.append(f"| {release} | **sum per layer and step, {total} cache** | | | "
+                             f"{values['best_best']:+.2f} | {values['median_of_rounds']:+.2f} |")
+    return lines
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -122,7 +150,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['started_utc']} · {machine['cpu']} ×{machine['cpu_count']} · python {machine['python']} · "
         f"torch {machine['torch']} · transformers {machine['transformers']} · attn-overlay {machine['attn_overlay']} "
         f"({(machine['git_commit'] or '?')[:10]}{', dirty tree' if machine['git_dirty'] else ''}) · "
-        f"load average {report['load_average']['start']} → {report['load_average']['end']}",
+        f"load average {report['load_average']['start']} → {report['load_average']['end']}"
+        + (f" · overlay imported from {report['overlay_root']}" if report.get("overlay_root") else "")
+        + (f" · merged from {', '.join(report['merged_from'])}" if report.get("merged_from") else ""),
         "",
         "| fig | case | median | min | max | n | best/best | goal | result |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -144,8 +174,9 @@ def markdown(report: dict[str, Any]) -> str:
                 result = "pass" if case["pass"] else "**FAIL**"
             lines.append(
                 f"| {fig['figure']} | {case['name']} | {_number(case['median'], unit)} | {_number(case['min'], unit)} | "
-                f"{_number(case['max'], unit)} | {case['n']} | {_number(case.get('best_ratio'), unit)} | "
-                f"{case['goal'] or ''} | {result} |"
+                f"{_number(case['max'], unit)} | {case['n']} | "
+                f"{_number(case.get('best_ratio') if case.get('best') is None else case['best'], unit)} | "
+                f"{case['goal'] or ''}{' (on best)' if case.get('judged_on') == 'best' and case['goal'] else ''} | {result} |"
             )
         if fig["status"] not in (OK,):
             notes.append(f"- figure {fig['figure']}: {fig['status']}: {fig['reason']}")
@@ -154,7 +185,9 @@ def markdown(report: dict[str, Any]) -> str:
             notes.append(f"- figure {fig['figure']}: patch files not listed in patches/__init__.py (not applied): "
                          f"{', '.join(unregistered)}")
     lines += ["", "median/min/max: of the per-round ratios (each round runs every variant once, side by side); "
-              "best/best: ratio of each variant's fastest sample. Goals are judged on the median."]
+              "best/best: ratio of each variant's fastest sample (figure 7: fastest with − fastest without). "
+              "Goals are judged on the median, or where marked on best/best."]
+    lines += per_call_table(report)
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
@@ -167,6 +200,8 @@ _PANELS = (
     ("ms", "milliseconds"),
     ("ms, whole import", "milliseconds, whole import (information)"),
     ("copies/step", "extra copies per decoding step"),
+    ("µs", "µs extra, overlay − reverted: dot = median of rounds, ◇ = fastest − fastest (goal judged on ◇)"),
+    ("instructions", "extra instructions per layer and decoding step (callgrind)"),
 )
 
 
@@ -175,6 +210,7 @@ def _x_limits(entries: list[tuple[str, dict[str, Any], bool]]) -> tuple[float, f
     edge (and labelled), so one disturbed round cannot squash the whole panel."""
     anchors = [c[k] for _, c, _ in entries for k in ("median", "q1", "q3") if c.get(k) is not None]
     anchors += [c["goal_value"] for _, c, _ in entries if c["goal_value"] is not None]
+    anchors += [c["best"] for _, c, _ in entries if c.get("best") is not None]
     low, high = min(anchors), max(anchors)
     span = max(high - low, 0.05 * max(abs(high), abs(low), 1e-9), 0.02)
     return low - 0.6 * span, high + 0.6 * span
@@ -222,6 +258,8 @@ def chart(report: dict[str, Any], path: Path) -> Path:
             ax.plot([low, high], [y, y], color=colour, linewidth=1, alpha=0.6)
             ax.plot([q1, q3], [y, y], color=colour, linewidth=5, alpha=0.45, solid_capstyle="butt")
             ax.plot([median], [y], "o", color=colour, markersize=6)
+            if case.get("best") is not None:
+                ax.plot([case["best"]], [y], "D", color=colour, markersize=5, markerfacecolor="white")
             if high > right:
                 ax.annotate(f"max {high:.3g} →", (right, y), xytext=(-4, -11), textcoords="offset points",
                             ha="right", fontsize=7, color=colour)
@@ -253,3 +291,30 @@ def chart(report: dict[str, Any], path: Path) -> Path:
     plt.close(figure)
     return path
 
+
+
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One report from several runs' JSON files (a figure measured in a later file replaces the
+    same figure of an earlier one): e.g. the slow start-up figures run earlier, the hot-path
+    figures on the final code. Each figure keeps the run it came from (``details.run``)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    figures: dict[int, dict[str, Any]] = {}
+    for path, data in zip(paths, reports):
+        for fig in data["figures"]:
+            fig = dict(fig)
+            fig["details"] = {**fig.get("details", {}), "run": {
+                "file": Path(path).name, "started_utc": data["started_utc"], "git_commit": data["machine"]["git_commit"],
+                "git_dirty": data["machine"]["git_dirty"], "load_average": data["load_average"],
+                "overlay_root": data.get("overlay_root")}}
+            figures[fig["figure"]] = fig
+    last = reports[-1]
+    return {
+        **last,
+        "started_utc": min(r["started_utc"] for r in reports),
+        "finished_utc": max(r["finished_utc"] for r in reports),
+        "smoke": any(r["smoke"] for r in reports),
+        "command": " + ".join(r["command"] for r in reports),
+        "merged_from": [Path(p).name for p in paths],
+        "load_average": {"start": reports[0]["load_average"]["start"], "end": last["load_average"]["end"]},
+        "figures": [figures[n] for n in sorted(figures)],
+    }

@@ -4,6 +4,9 @@
     python -m scripts.bench --smoke         # tiny repetitions: checks the scripts, numbers mean nothing
     python -m scripts.bench --only 1,2      # some figures
     python -m scripts.bench --out DIR       # default: results/ (git-ignored)
+    python -m scripts.bench --only 7 --lanes tf-5-13-0,tests,tf-5-24-0   # figure 7's releases (nox lanes)
+    python -m scripts.bench --only 7 --overlay-root /tmp/before          # the overlay of another checkout
+    python -m scripts.bench --merge A.json B.json --out DIR   # one report from several runs (later wins)
 
 Writes ``DIR/bench-<UTC time>.json`` and ``.png`` (plus ``latest.json`` / ``latest.png``) and
 prints a markdown summary. Exit status 1 when a figure could not be measured (status "error");
@@ -24,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable, then
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "scripts.bench"
 
-from . import FIGURES, common, generate, gpu, prepare_inputs, report, startup  # noqa: E402
+from . import FIGURES, callgrind, common, generate, gpu, percall, prepare_inputs, report, startup  # noqa: E402
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -38,6 +41,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="figure 3's accelerator for host-side inputs: CUDA if present, else the fake device")
     parser.add_argument("--gpu-device", default="cuda",
                         help="figure 6's device: cuda; a fake-device name (e.g. fakeaccel) only checks the script")
+    parser.add_argument("--lanes", default=None,
+                        help="figure 7: comma-separated nox lanes (folders under .nox) or interpreters; "
+                             "default: tf-5-13-0,tests,tf-5-24-0 where built (smoke: this interpreter)")
+    parser.add_argument("--overlay-root", default=None, type=Path,
+                        help="workers import the overlay from this checkout (e.g. a git worktree of an older "
+                             "commit: a BEFORE measured with the same benchmark code)")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="measure nothing: combine these runs' JSON reports (a figure of a later file "
+                             "replaces the same figure of an earlier one) into one JSON, chart and summary")
     args = parser.parse_args(argv)
     try:
         args.figures = {int(x) for x in args.only.split(",") if x.strip()} or set(FIGURES)
@@ -67,12 +79,29 @@ def _guarded(number: int, run) -> list[common.Figure]:
     return figures
 
 
+def _write(data: dict, args: argparse.Namespace, stem: str) -> None:
+    json_path = report.write_json(data, args.out, stem)
+    outputs = [json_path]
+    if not args.no_chart:
+        png = report.chart(data, args.out / f"{stem}.png")
+        (args.out / "latest.png").write_bytes(png.read_bytes())
+        outputs.append(png)
+    sys.stdout.write(report.markdown(data))
+    sys.stdout.write("\n" + "\n".join(f"wrote {p}" for p in outputs) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
+    if args.merge:
+        data = report.merge(args.merge)
+        _write(data, args, f"bench-merged-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}")
+        return 1 if any(f["status"] == common.ERROR for f in data["figures"]) else 0
     started = datetime.now(timezone.utc)
     load_start = report.load_average()
-    options = {"host_device": args.host_device, "gpu_device": args.gpu_device}
+    options = {"host_device": args.host_device, "gpu_device": args.gpu_device, "lanes": args.lanes}
+    if args.overlay_root is not None:
+        common.OVERLAY_ROOT = str(args.overlay_root.resolve())
     wanted = args.figures
     plan = []
     if wanted & {1, 2}:
@@ -82,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         4: generate.run_generate,
         5: generate.run_copies,
         6: gpu.run,
+        7: percall.run,
+        8: callgrind.run,
     }
     for number, run in single.items():
         if number in wanted:
@@ -98,14 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     data = report.build_report(figures, smoke=args.smoke, started=started, load_start=load_start,
                                argv=["python -m scripts.bench", *argv])
     stem = f"bench-{started.strftime('%Y%m%dT%H%M%SZ')}{'-smoke' if args.smoke else ''}"
-    json_path = report.write_json(data, args.out, stem)
-    outputs = [json_path]
-    if not args.no_chart:
-        png = report.chart(data, args.out / f"{stem}.png")
-        (args.out / "latest.png").write_bytes(png.read_bytes())
-        outputs.append(png)
-    sys.stdout.write(report.markdown(data))
-    sys.stdout.write("\n" + "\n".join(f"wrote {p}" for p in outputs) + "\n")
+    _write(data, args, stem)
     return 1 if any(f.status == common.ERROR for f in figures) else 0
 
 

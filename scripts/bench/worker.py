@@ -15,6 +15,8 @@ WORKERS = {
     "generate": "scripts.bench.generate",
     "copies": "scripts.bench.generate",
     "gpu": "scripts.bench.gpu",
+    "percall": "scripts.bench.percall",
+    "callgrind": "scripts.bench.callgrind",
 }
 
 
@@ -26,14 +28,15 @@ def main(argv: list[str]) -> int:
     # processes disturb one thread less than a pool of them.
     torch.set_num_threads(int(payload.get("threads", 1)))
 
-    from .overlay_access import ensure_overlay_importable, quiet_overlay_logs
+    from .overlay_access import ensure_overlay_importable, overlay_files, quiet_overlay_logs
 
-    found = ensure_overlay_importable()
+    found = ensure_overlay_importable(payload.get("overlay_root"))
     quiet_overlay_logs()
     module = importlib.import_module(WORKERS[name])
     function = getattr(module, f"{name}_worker", None) or module.worker
     result = function(payload)
     result.setdefault("details", {})["overlay"] = found
+    result["details"]["overlay_files"] = overlay_files()
     result["details"]["torch_threads"] = torch.get_num_threads()
     print(json.dumps(result))
     return 0
