@@ -89,7 +89,9 @@ def quiet_overlay_logs() -> None:
 def registered_patch_ids() -> list[str]:
     from overlay import engine
 
-    return [p.id for p in engine.known_patches()]
+    # known_patches() is the public accessor; older checkouts (--overlay-root) only had _load_patches().
+    known = getattr(engine, "known_patches", None) or engine._load_patches
+    return [p.id for p in known()]
 
 
 def patch_files_on_disk() -> list[str]:
