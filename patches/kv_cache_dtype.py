@@ -21,33 +21,37 @@ a KV cache whose dtype differs from the states the model writes to it.
   fail the same way.
 
 Policy (mode ``align``, the default; ``strict`` and ``off`` below). The target dtype is the
-dtype of the incoming ``key_states`` / ``value_states``, i.e. the query's compute dtype: it is
-what attention would get with no cache at all (the no-cache forward is the ground truth every
-cache must reproduce), it comes out of the same projections as the query in the same forward,
-and the query is never cached so it cannot be stale. Keys and values are aligned separately
-(under autocast keys leave rotary embeddings in float32 while values stay bfloat16).
+dtype of the incoming ``key_states``, i.e. the query's compute dtype: it is what attention would
+get with no cache at all (the no-cache forward is the ground truth every cache must reproduce), it
+comes out of the same projections as the query in the same forward, and the query is never cached
+so it cannot be stale.
 
-1. Read side, every cache updated through ``Cache.update``: keys and values are handed back in
-   the dtype of the incoming states, cast only when they differ, with a one-time
-   :class:`overlay.guard.KVCacheDtypeWarning` naming the layer, the two dtypes and the cost (a
-   transient copy of that layer's cache per step).
+1. Read side, every cache updated through ``Cache.update``: the keys handed back are cast to the
+   dtype of the incoming ``key_states`` when they differ, the values to the dtype of the incoming
+   ``value_states`` when they differ and those come in the keys' dtype (outside autocast, values
+   in another dtype than keys and query are a model-precision matter: left as on stock). A
+   one-time :class:`overlay.guard.KVCacheDtypeWarning` names the layer, the two dtypes and the
+   cost (a transient copy of that layer's cache per step).
 2. Write side, only where stock cannot store the states: static layers (``StaticLayer``,
    ``StaticSlidingWindowLayer`` and every subclass) hold fixed buffers (their addresses are what
-   ``torch.compile``/cudagraphs and exported programs hold) and ``index_copy_`` refuses another
-   dtype, so the new states are cast to the buffer's dtype, after the layer's own lazy
-   initialisation (run first, exactly as the layer's ``update`` would, so the layer picks its
-   dtypes as it always did). A widening cast (bfloat16 states into a float32 buffer) is exact and
-   silent. A narrowing one (float32 states into a bfloat16 buffer: a float32 model, or
-   ``model.float()``, with a kept bfloat16 static cache) rounds every new state: the warning says
-   that precision is lost, not only that a copy is made, and how to keep it (build the cache in
-   the compute dtype). Under autocast, narrowing to the autocast dtype loses nothing attention
-   would not drop anyway and is silent.
+   ``torch.compile``/cudagraphs and exported programs hold), and their in-place writes
+   (``index_copy_``, ``index_put_``) refuse another dtype, so the new states are cast to the
+   buffer's dtype there, after the layer's own lazy initialisation (run first, exactly as the
+   layer's ``update`` would, so the layer picks its dtypes as it always did). The sliding layer's
+   two ``torch.cat`` branches (a window filling up or overflowing in one update) work on stock and
+   are left as stock. A widening cast (bfloat16 states into a float32 buffer) is exact and silent;
+   the read side reports the copy. A narrowing one (float32 states into a bfloat16 buffer: a
+   float32 model, or ``model.float()``, with a kept bfloat16 static cache) rounds every new
+   state: a second warning says that PRECISION IS LOST, not only that a copy is made, and how to
+   keep it (build the cache in the compute dtype). Under autocast, narrowing to the autocast dtype
+   loses nothing attention would not drop anyway and is silent.
    Dynamic layers are left alone on write: ``torch.cat`` promotes the cache to the wider dtype,
-   which loses nothing, and that is exactly what stock does. (Up to 0.1.x this patch cast writes
-   to the cache's dtype instead; a float32 model continuing a bfloat16 prefix then had its own new
-   keys rounded to bfloat16: a max |logit| drift of 3e-3..2e-2 against stock on tiny Llama/Qwen3,
-   see ``tests/test_patch_kv_cache_dtype_robustness.py``. Stock keeps float32 there, and now so
-   does the overlay, bit for bit.)
+   which loses nothing, and that is exactly what stock does. (This patch used to cast writes to
+   the cache's dtype instead: a float32 model continuing a bfloat16 prefix had its own new keys
+   and values rounded to bfloat16. Measured against stock over 20 greedy tokens, Llama/Qwen3 with
+   hidden 32/2 layers and 256/4 layers: max |logit| drift 9e-5 to 1.2e-3, i.e. 2e-4 to 1e-3 of
+   the largest logit, tokens unchanged on these random models but not guaranteed on real ones.
+   Now the drift is 0: bit-identical to stock, ``tests/test_patch_kv_cache_dtype_robustness.py``.)
 3. Cross-attention caches (``EncoderDecoderCache``): the cache patch cannot see the direct reads,
    so it aligns the cross-attention layer where it can see the compute dtype: in the same decoder
    layer's self-attention ``Cache.update``, which runs right before the cross-attention reads.
@@ -82,20 +86,26 @@ cast of the layer's returned cache per step on read, and ``overlay.report.record
 break the graph); the eager prefill that precedes compiled decoding reports the same mismatch.
 
 Modes: ``strict`` raises :class:`overlay.guard.CacheDtypeError` (an ``AttentionInputError``)
-wherever ``align`` would cast outside autocast, or would round under autocast beyond the autocast
-dtype, naming the layer, the cache tensor and the incoming tensor; it never raises where ``align``
-passes states through untouched (dynamic promotion, autocast). ``off`` passes everything through
-as stock transformers does.
+naming the layer, the cache tensor and the incoming tensor exactly where ``align`` would warn
+(a cast on read, a static buffer in another dtype than the compute dtype, a rounding write, a
+cross-attention conversion), before anything is written where it can; it never raises where
+``align`` is silent (dynamic promotion, exact widening writes, autocast). ``off`` passes
+everything through as stock transformers does. ``tests/test_patch_kv_cache_dtype_properties.py``
+checks these against stock with hypothesis.
 
 Coverage and limits: every cache updated through ``Cache.update`` (all decoder and
 encoder-decoder models of 5.x, every attention implementation, eager included), every layer class
-(including modeling-file layers such as DeepSeek-V4's and Unlimited-OCR's), offloaded caches.
-Not covered: a layer's ``update`` called directly, bypassing ``Cache.update`` (in 5.13.0-5.24.0
-only ``DynamicCache(ddp_cache_data)`` does so, with dynamic layers, which need no write side);
-caches defined in modeling files that override ``Cache.update`` without calling it; quantized
-layers keep their own dtypes. Out of scope: models that keep some projections in float32 while
-others run in bfloat16 (e.g. a ``qk_norm`` kept in float32 makes q/k float32 and v bfloat16 and
-then fails in ``o_proj``): that is a model-precision issue, not the cache's.
+(including modeling-file layers such as DeepSeek-V4's and Unlimited-OCR's), offloaded caches, and
+the cross-attention caches of ``EncoderDecoderCache`` as described in 3. Not covered: a layer's
+``update`` called directly, bypassing ``Cache.update`` (in 5.13.0-5.24.0 only
+``DynamicCache(ddp_cache_data)`` does so, with dynamic layers, which need no write side); other
+direct reads of cached tensors (Mllama's cross-attention layers kept in the decoder's own cache:
+its attention goes through ``AttentionInterface``, so ``attention-guard`` aligns it); caches
+defined in modeling files that override ``Cache.update`` without calling it (e.g. OLMo-Hybrid's
+on 5.13.x) and the paged cache of continuous batching; quantized layers keep their own dtypes.
+Out of scope: models that keep some projections in float32 while others run in bfloat16 (e.g. a
+``qk_norm`` kept in float32 makes q/k float32 and v bfloat16 and then fails in ``o_proj``): that
+is a model-precision issue, not the cache's.
 """
 
 from __future__ import annotations
@@ -112,6 +122,8 @@ CROSS_ATTR = "_attn_overlay_cross_attention_cache"
 def _replace_cache_update(original):
     """``Cache.update`` with the dtype checks in front (see the module docstring)."""
     static_layer = original.__globals__.get("StaticLayer")
+    sliding_layer = original.__globals__.get("StaticSlidingWindowLayer")
+    static = (static_layer, sliding_layer, getattr(sliding_layer, "update", None))
 
     @wraps(original)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -133,12 +145,12 @@ def _replace_cache_update(original):
                     return layer.update(key_states, value_states, *args, **kwargs)
         except (AttributeError, TypeError):
             pass
-        return _slow_update(original, static_layer, self, key_states, value_states, layer_idx, args, kwargs)
+        return _slow_update(original, static, self, key_states, value_states, layer_idx, args, kwargs)
 
     return update
 
 
-def _slow_update(original, static_layer, cache, key_states, value_states, layer_idx, args, kwargs):
+def _slow_update(original, static, cache, key_states, value_states, layer_idx, args, kwargs):
     import torch
 
     mode = guard._mode
@@ -149,16 +161,20 @@ def _slow_update(original, static_layer, cache, key_states, value_states, layer_
     autocast_dtype = _autocast_dtype(key_states)
     layer = _layer(cache, layer_idx)
 
-    # Write side: only static layers (fixed buffers) need it; dynamic ones promote like stock.
-    stored_k = stored_v = None
+    # Write side: only where a static layer writes in place (index_copy_/index_put_ refuse another
+    # dtype); dynamic layers and the torch.cat branches of sliding ones promote, exactly like stock.
+    write_k, write_v = key_states, value_states
+    static_layer = static[0]
     if static_layer is not None and isinstance(layer, static_layer):
         if not layer.is_initialized:
             # The first statement of every layer's update: the layer picks its dtypes as always.
             layer.lazy_initialization(key_states, value_states)
-        write_k = _to_buffer(layer, layer_idx, "keys", key_states, mode, autocast_dtype, compiling)
-        write_v = _to_buffer(layer, layer_idx, "values", value_states, mode, autocast_dtype, compiling)
-    else:
-        write_k, write_v = key_states, value_states
+        if autocast_dtype is None:
+            # Reported when first seen, whichever branch this update takes (strict raises here).
+            _report_static_mismatch(layer, layer_idx, key_states, value_states, mode, compiling)
+        if _writes_in_place(layer, static, key_states.shape[-2]):
+            write_k = _to_buffer(layer, layer_idx, "keys", key_states, mode, autocast_dtype, compiling)
+            write_v = _to_buffer(layer, layer_idx, "values", value_states, mode, autocast_dtype, compiling)
 
     # The cross-attention cache of the same decoder layer, read directly right after this update.
     cross = getattr(cache, "__dict__", {}).get(CROSS_ATTR)
@@ -171,7 +187,13 @@ def _slow_update(original, static_layer, cache, key_states, value_states, layer_
     if autocast_dtype is None:
         if isinstance(keys, tensor) and keys.dtype is not key_states.dtype:
             keys = _hand_back(cache, layer, layer_idx, "keys", keys, key_states, mode, compiling)
-        if isinstance(values, tensor) and values.dtype is not value_states.dtype:
+        # Values only when they come in the keys' dtype: outside autocast, values in another dtype than
+        # the keys (and the query) are a model-precision matter that attention rejects as on stock.
+        if (
+            isinstance(values, tensor)
+            and values.dtype is not value_states.dtype
+            and value_states.dtype is key_states.dtype
+        ):
             values = _hand_back(cache, layer, layer_idx, "values", values, value_states, mode, compiling)
     return keys, values
 
@@ -189,6 +211,38 @@ def _layer(cache, layer_idx):
         return layers[layer_idx]
     except (IndexError, TypeError):
         return None
+
+
+def _report_static_mismatch(layer, layer_idx, key_states, value_states, mode, compiling):
+    """A static layer whose buffers are not in the compute dtype: the read side will cast (see ``_hand_back``)."""
+    for which, states in (("keys", key_states), ("values", value_states)):
+        if which == "values" and value_states.dtype is not key_states.dtype:
+            continue  # values in another dtype than the keys: not aligned on read (see _slow_update)
+        stored = getattr(layer, which, None)
+        if stored is None or stored.dtype is states.dtype:
+            continue
+        if mode == guard.STRICT:
+            raise guard.CacheDtypeError(layer, which, stored, states, layer_idx)
+        if not compiling:
+            guard.warn_cache_cast_once(layer_idx, layer, which, stored.dtype, states.dtype)
+
+
+def _writes_in_place(layer, static, kv_length):
+    """Whether this update writes the states into the static layer's buffers in place.
+
+    ``StaticLayer.update`` always does (``index_copy_``). ``StaticSlidingWindowLayer.update`` (one
+    code in 5.13.0-5.24.0) does while the window has room (``index_copy_``) and when it is full and
+    one token comes (``index_put_``); its two other branches concatenate (``torch.cat`` promotes)
+    and copy back (``copy_`` casts), which works on stock and must stay as stock. A layer class with
+    its own ``update`` is assumed to write in place.
+    """
+    _, sliding_layer, sliding_update = static
+    if sliding_layer is None or not isinstance(layer, sliding_layer) or type(layer).update is not sliding_update:
+        return True
+    current, room = layer.cumulative_length_int, layer.max_cache_len
+    if current >= room:
+        return kv_length == 1
+    return current + kv_length <= room
 
 
 def _autocast_dtype(states):
@@ -219,7 +273,8 @@ def _to_buffer(layer, layer_idx, which, incoming, mode, autocast_dtype, compilin
     if stored is None or stored.dtype is incoming.dtype:
         return incoming
     narrows = _narrows(stored.dtype, incoming.dtype, autocast_dtype)
-    if mode == guard.STRICT and (autocast_dtype is None or narrows):
+    # A widening cast is exact and silent in every mode (the read side reports what it costs).
+    if narrows and mode == guard.STRICT:
         raise guard.CacheDtypeError(layer, which, stored, incoming, layer_idx)
     if not compiling:
         if narrows:

@@ -1,0 +1,184 @@
+"""Property-based test of patch ``kv-cache-dtype`` against stock transformers (hypothesis).
+
+One example: a cache layer (dynamic, dynamic sliding-window, static, static sliding-window) filled
+with a prompt by a "previous model" in the *stored* dtype (or, for static layers, early-initialised
+in it), then one or two decoding steps that write key/value states in the *incoming* dtypes, each
+followed by attention (SDPA or the eager matmul/softmax/matmul) with a query in the keys' dtype,
+with or without ``torch.autocast``. The same example runs on stock (``overlay.reverted()``) and
+with the patch in each mode. The properties:
+
+1. ``align`` and ``off`` never fail where stock works, and give bit-identical outputs there;
+2. ``off`` behaves exactly as stock, failures included (same exception type and message);
+3. ``strict`` raises only where ``align`` reports something (a ``KVCacheDtypeWarning``), never
+   elsewhere, and otherwise gives stock's outputs; what it raises is ``CacheDtypeError``;
+4. ``align`` makes every example whose keys and values arrive in one dtype work (outside autocast
+   that is the whole point of the patch; under autocast, autocast decides, as on stock).
+
+Deterministic (``derandomize``, no example database) and sized to a few seconds;
+``ATTN_OVERLAY_PROPERTY_EXAMPLES`` raises the number of examples for a longer search.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import warnings
+
+import pytest
+import torch
+from packaging.version import Version
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import overlay  # noqa: E402
+from overlay import guard  # noqa: E402
+
+TF_VERSION = Version(importlib.metadata.version("transformers"))
+if TF_VERSION < Version("5.13.0"):
+    pytest.skip("kv-cache-dtype covers transformers 5.13.0 and later", allow_module_level=True)
+
+from transformers.cache_utils import (  # noqa: E402
+    Cache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
+
+PATCH_ID = "kv-cache-dtype"
+EXAMPLES = int(os.environ.get("ATTN_OVERLAY_PROPERTY_EXAMPLES", "120"))
+
+BATCH, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_LEN, WINDOW = 1, 2, 2, 8, 12, 4
+LAYERS = {
+    "dynamic": lambda: DynamicLayer(),
+    "dynamic_sliding": lambda: DynamicSlidingWindowLayer(sliding_window=WINDOW),
+    "static": lambda: StaticLayer(max_cache_len=MAX_LEN),
+    "static_sliding": lambda: StaticSlidingWindowLayer(max_cache_len=MAX_LEN, sliding_window=WINDOW),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _patch_applied():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with overlay.applied(only=[PATCH_ID]) as statuses:
+        assert {s.id: s.state for s in statuses if s.id == PATCH_ID} == {PATCH_ID: "applied"}
+        yield
+    torch.set_num_threads(previous)
+
+
+def _states(generator, length, dtype):
+    return torch.randn(BATCH, KV_HEADS, length, HEAD_DIM, generator=generator).to(dtype)
+
+
+def _attention(kind, query, keys, values):
+    if kind == "sdpa":
+        return torch.nn.functional.scaled_dot_product_attention(query, keys, values)
+    weights = torch.matmul(query, keys.transpose(2, 3)) * HEAD_DIM**-0.5
+    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, values)
+
+
+def run_example(ex):
+    """The example's outputs (a list of tensors) or the exception it raised, and its cache warnings."""
+    generator = torch.Generator().manual_seed(ex["seed"])
+    stored = DTYPES[ex["stored"]]
+    key_dtype, value_dtype = DTYPES[ex["key_dtype"]], DTYPES[ex["value_dtype"]]
+    cache = Cache(layers=[LAYERS[ex["layer"]]()])
+    guard.reset_warnings()
+    outputs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if ex["early_init"]:
+                cache.early_initialization(BATCH, KV_HEADS, HEAD_DIM, stored, "cpu")
+            else:  # the prompt, written by the previous model in the stored dtype
+                cache.update(_states(generator, ex["prompt"], stored), _states(generator, ex["prompt"], stored), 0)
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if ex["autocast"] else contextlib.nullcontext()
+            with autocast, torch.no_grad():
+                for length in ex["steps"]:
+                    k, v = _states(generator, length, key_dtype), _states(generator, length, value_dtype)
+                    query = torch.randn(BATCH, Q_HEADS, length, HEAD_DIM, generator=generator).to(key_dtype)
+                    keys, values = cache.update(k, v, 0)
+                    outputs.append(_attention(ex["attention"], query, keys, values))
+        except Exception as error:  # noqa: BLE001 - the outcome under test
+            outputs = error
+    reported = [str(w.message) for w in caught if issubclass(w.category, guard.KVCacheDtypeWarning)]
+    return outputs, reported
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, Exception) or isinstance(b, Exception):
+        return type(a) is type(b) and str(a) == str(b)
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _describe(outcome) -> str:
+    return f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, Exception) else "works"
+
+
+examples = st.fixed_dictionaries(
+    {
+        "layer": st.sampled_from(sorted(LAYERS)),
+        "stored": st.sampled_from(sorted(DTYPES)),
+        "key_dtype": st.sampled_from(sorted(DTYPES)),
+        "value_dtype": st.sampled_from(sorted(DTYPES)),
+        "autocast": st.booleans(),
+        "attention": st.sampled_from(["sdpa", "eager"]),
+        "early_init": st.booleans(),
+        "prompt": st.integers(1, 6),
+        "steps": st.lists(st.sampled_from([1, 3]), min_size=1, max_size=2),
+        "seed": st.integers(0, 3),
+    }
+).map(lambda ex: {**ex, "early_init": ex["early_init"] and ex["layer"].startswith("static")})
+
+
+def _ex(layer, stored, key_dtype, value_dtype=None, autocast=False, attention="sdpa", early_init=False, steps=(1, 1)):
+    return {
+        "layer": layer, "stored": stored, "key_dtype": key_dtype, "value_dtype": value_dtype or key_dtype,
+        "autocast": autocast, "attention": attention, "early_init": early_init, "prompt": 5, "steps": list(steps),
+        "seed": 0,
+    }
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
+@given(ex=examples)
+# The issues' own scenarios, always run:
+@example(ex=_ex("dynamic", "float32", "bfloat16"))  # float32 prefix, bfloat16 decoding
+@example(ex=_ex("dynamic", "bfloat16", "float32", attention="eager"))  # 15.5: float32 model, bfloat16 prefix
+@example(ex=_ex("static", "float32", "bfloat16", early_init=True))  # user-built float32 static cache
+@example(ex=_ex("static", "bfloat16", "float32", early_init=True))  # 15.5: kept bfloat16 static cache
+@example(ex=_ex("dynamic", "float32", "float32", "bfloat16", autocast=True))  # 15.3: autocast, values in key dtype
+@example(ex=_ex("static", "float32", "float32", "bfloat16", autocast=True, early_init=True))  # autocast + static
+@example(ex=_ex("static_sliding", "float32", "bfloat16", steps=(3, 1)))  # sliding window wraps
+def test_the_patch_never_fails_or_changes_results_where_stock_works(ex):
+    with overlay.reverted():
+        stock, _ = run_example(ex)
+    outcomes = {}
+    for mode in ("align", "strict", "off"):
+        with guard.using_mode(mode):
+            outcomes[mode] = run_example(ex)
+    stock_works = not isinstance(stock, Exception)
+    (aligned, align_reported), (strict, _), (off, _) = outcomes["align"], outcomes["strict"], outcomes["off"]
+
+    # 2. off is stock, failures included.
+    assert _same(off, stock), (_describe(off), _describe(stock))
+    if stock_works:
+        # 1. align never fails where stock works, and changes nothing there.
+        assert not isinstance(aligned, Exception), _describe(aligned)
+        assert _same(aligned, stock), "align changed the results of an example that works on stock"
+        # 3. strict: stock's results, or a named error only where align reported a mismatch.
+        if isinstance(strict, Exception):
+            assert isinstance(strict, guard.CacheDtypeError), _describe(strict)
+            assert align_reported, f"strict raised where align reported nothing: {strict}"
+        else:
+            assert _same(strict, stock)
+    elif isinstance(strict, guard.AttentionInputError):
+        assert isinstance(strict, guard.CacheDtypeError), _describe(strict)
+    # 4. keys and values in one dtype: align makes it work (outside autocast; under autocast as stock).
+    if ex["key_dtype"] == ex["value_dtype"] and not ex["autocast"]:
+        assert not isinstance(aligned, Exception), _describe(aligned)
