@@ -223,7 +223,7 @@ def report_patch(patch, version: str, read: ReadFile) -> PatchReport:
         report.targets.append(TargetReport(target.module, target.qualname, digest, match, label, covers))
     report.code = code_status(t.match for t in report.targets)
 
-    if report.declared == matrix_data.NOT_AFFECTED:
+    if report.declared == matrix_data.OUT_OF_RANGE:
         # Outside the patch's releases: the engine never looks at this code, nothing to fix here.
         if report.code == matrix_data.APPLIED:
             report.notes.append(
@@ -318,7 +318,7 @@ def format_text(reports: Sequence[ReleaseReport]) -> str:
     for release in reports:
         cells = []
         for p in release.patches:
-            cell = p.code if p.declared != matrix_data.NOT_AFFECTED else f"({p.code})"
+            cell = p.code if p.declared != matrix_data.OUT_OF_RANGE else f"({p.code})"
             cells.append(f"{cell + (' !' if p.problems else ''):<{width}}")
         out.append(f"  {release.version:<8}" + "  ".join(cells).rstrip())
     problems = [msg for release in reports for msg in release.problems]

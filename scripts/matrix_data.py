@@ -8,7 +8,7 @@ for that release, from the patch's ``affected`` (a PEP 440 specifier) and ``fixe
 - in ``affected``: the gate says "pending" (read the code next); with the code the patch was
   written for, that ends in ``applied``
 - at or after ``fixed_in``: ``fixed upstream``
-- anything else: ``not affected``
+- anything else: ``out of range``
 
 The fingerprints are the *other* statement of the same facts (which code each release ships).
 The two are checked against each other, never merged: ``tests/test_matrix.py`` asserts that the
@@ -20,7 +20,6 @@ Only the list of releases is written here: it is what the matrix proves, one nox
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -62,34 +61,10 @@ FULL_SUITE_RELEASE = "5.18.0"
 TORCH = "2.13.0"
 
 def ensure_overlay_importable() -> None:
-    """Make ``overlay`` and ``overlay.patches`` importable from this checkout.
-
-    An installed (or editable) attn-overlay already maps ``patches/`` to ``overlay.patches``
-    (setup.py's ``package_dir``). A bare checkout on ``sys.path`` lacks that mapping, e.g. in the
-    interpreter that runs nox, where the project is not installed: load the package from its
-    folder under the name it is installed as.
-    """
-    if importlib.util.find_spec("overlay") is None:
+    """Make this checkout's ``overlay`` importable (first on ``sys.path`` when nothing imported
+    one yet). The source tree maps ``patches/`` as ``overlay.patches`` by itself."""
+    if "overlay" not in sys.modules and str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    import overlay
-
-    if "overlay.patches" in sys.modules:
-        return
-    try:
-        found = importlib.util.find_spec("overlay.patches")
-    except ImportError:
-        found = None
-    if found is not None:
-        return
-    spec = importlib.util.spec_from_file_location(
-        "overlay.patches",
-        REPO / "patches" / "__init__.py",
-        submodule_search_locations=[str(REPO / "patches")],
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["overlay.patches"] = module
-    spec.loader.exec_module(module)
-    overlay.patches = module
 
 
 def load_patches():
@@ -108,7 +83,7 @@ from overlay import engine as _engine  # noqa: E402
 APPLIED = _engine.APPLIED
 FIXED_UPSTREAM = _engine.FIXED_UPSTREAM
 #: A release outside the patch's declared range (the engine checks no code there).
-NOT_AFFECTED = getattr(_engine, "OUT_OF_RANGE", None) or _engine.NOT_AFFECTED
+OUT_OF_RANGE = _engine.OUT_OF_RANGE
 
 
 def expected_status(patch, version: str) -> str:
@@ -118,7 +93,7 @@ def expected_status(patch, version: str) -> str:
         # In range: the engine reads the code next, and the release's code is one the patch was
         # written for (the lanes and the fingerprint tool prove that part).
         return APPLIED
-    if state not in (FIXED_UPSTREAM, NOT_AFFECTED):
+    if state not in (FIXED_UPSTREAM, OUT_OF_RANGE):
         raise ValueError(f"{patch.id} on transformers {version}: {state}: {reason}")
     return state
 

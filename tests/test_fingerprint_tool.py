@@ -147,7 +147,7 @@ def test_unchanged_release_passes_check_and_reports_known_variants(tmp_path, cap
     for patch_report in release["patches"]:
         expected = matrix_data.expected_status(next(p for p in PATCHES if p.id == patch_report["id"]), INSTALLED_VERSION)
         assert patch_report["declared"] == expected
-        if expected != matrix_data.NOT_AFFECTED:
+        if expected != matrix_data.OUT_OF_RANGE:
             assert patch_report["code"] == expected
             assert all(t["match"] in (tool.ORIGINAL, tool.FIXED, tool.ABSENT_OPTIONAL) for t in patch_report["targets"])
 
@@ -169,7 +169,7 @@ def test_changed_target_is_flagged_new_and_fails_check(tmp_path, capsys):
     assert all(t["match"] != tool.NEW for t in by_target.values()), "only the changed target is new"
     patch_report = next(p for p in release["patches"] if p["id"] == patch.id)
     assert patch_report["code"] == "unrecognised code"
-    if patch_report["declared"] != matrix_data.NOT_AFFECTED:
+    if patch_report["declared"] != matrix_data.OUT_OF_RANGE:
         assert any("matches no known variant" in msg and target.qualname in msg for msg in report["problems"])
 
     # Without --check the report is the same, and the exit status 0.
@@ -231,4 +231,4 @@ def test_new_and_missing_code_is_flagged_only_where_the_patch_applies(monkeypatc
     assert any("does not exist in this release" in msg for msg in report.problems)
     # Before the bug: the engine never reads this code, so a different one is no problem.
     report = _report(monkeypatch, _toy_patch(), "5.12.0", "c" * 64)
-    assert (report.declared, report.problems) == ("not affected", [])
+    assert (report.declared, report.problems) == (matrix_data.OUT_OF_RANGE, [])

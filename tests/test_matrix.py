@@ -88,12 +88,12 @@ def test_every_declared_release_range_is_in_the_matrix():
 
 def test_expected_statuses_are_the_engine_gate_in_the_engine_words():
     out_of_range = engine.gate(dataclasses.replace(PATCHES[0], affected="<1", fixed_in=None), "5.13.0")[0]
-    assert (matrix_data.APPLIED, matrix_data.FIXED_UPSTREAM, matrix_data.NOT_AFFECTED) == (
+    assert (matrix_data.APPLIED, matrix_data.FIXED_UPSTREAM, matrix_data.OUT_OF_RANGE) == (
         engine.APPLIED, engine.FIXED_UPSTREAM, out_of_range
     )
     probe = dataclasses.replace(PATCHES[0], affected=">=5.13.0,<5.15.0", fixed_in="5.15.0")
     for release, gate_state, expected in (
-        ("5.12.1", out_of_range, matrix_data.NOT_AFFECTED),
+        ("5.12.1", out_of_range, matrix_data.OUT_OF_RANGE),
         ("5.13.0", engine.PENDING, matrix_data.APPLIED),
         ("5.14.1", engine.PENDING, matrix_data.APPLIED),
         ("5.14.1.dev0", engine.PENDING, matrix_data.APPLIED),

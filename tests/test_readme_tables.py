@@ -47,7 +47,7 @@ def test_check_fails_on_a_stale_table_and_the_script_repairs_it(tmp_path, capsys
     title = readme_table.cell(PATCHES[0].title)
     for stale in (
         current.replace(f"| {title} |", "| an old title |", 1),  # the fixes table
-        current.replace("| 5.13.0 | applied |", "| 5.13.0 | not affected |", 1),  # the release table
+        current.replace("| 5.13.0 | applied |", "| 5.13.0 | out of range |", 1),  # the release table
     ):
         assert stale != current
         readme = tmp_path / "README.md"
