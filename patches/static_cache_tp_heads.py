@@ -21,6 +21,42 @@ slice shapes``. There the replacement reads the tensor-parallel size the model w
 (:func:`sharded_tp_size`: ``model._device_mesh`` is set and ``model.config.distributed_config``
 holds the size, exactly what 5.17.0 copies into ``_tp_size``) and lets the original divide by it,
 for ``colwise`` plans only; plans that keep every head are already right there.
+
+Which plans divide the KV heads, and why. A rank's cache must hold the heads that the rank's
+key projection outputs. The overlay reads the model's effective plan, ``model.tp_plan``: the plan
+the model was sharded with (the config's ``base_model_tp_plan``, the class and sub-model plans, a
+``DistributedConfig(tp_plan=…)`` override, and in 5.13 – 5.18 the expert-parallel plan when
+expert parallelism is on). It looks at the entries for a key projection: module keys whose last
+part is ``k_proj``, ``qkv_proj`` or ``query_key_value`` (any prefix, e.g. ``layers.*.self_attn.k_proj``
+or ``model.language_model.layers.*.self_attn.k_proj``).
+
+| style on the key projection | what each rank's keys hold | static cache heads per rank |
+| --- | --- | --- |
+| ``colwise`` | a ``Shard(-1)`` output kept local: ``heads / tp_size`` | divided by ``tp_size``; each layer's count when layers differ; when a count does not divide evenly, the cache is allocated lazily from the first keys (``None``), as before |
+| ``colwise_gather_output``, ``colwise_rep`` | the output is gathered (``Replicate()``): every head | not divided |
+| ``rowwise``, ``rowwise_split_input``, ``rowwise_rep`` | the output is all-reduced (``Replicate()``): every head | not divided |
+| no entry for a key projection (attention left out of the plan, an MLP- or expert-only plan, no plan) | the projection is not sharded: every head | not divided |
+| any other style (``packed_colwise``, ``sequence_parallel``, a style registered by the user, …) | not known to the overlay | not guessed: transformers' own behaviour (divided by ``tp_size``), and one warning per style on the ``overlay`` logger naming it |
+
+If any key projection is ``colwise``, the heads are divided (as upstream's fix does). Everything else
+the release's function does (no eager cache when layers sit on several devices, none for MLA
+models, per-layer head counts, the return types of each release) is kept: the overlay decides from
+the plan and then lets the installed release's own function compute the shape, with tensor
+parallelism hidden from it when the heads are whole. Without tensor parallelism nothing changes.
+
+Unit sharding (``unit_colwise`` / ``colwise_units``). Upstream is proposing a style that shards
+``unit_number × unit_dim`` outputs by whole units (heads), so no rank is left with a partial or empty
+head (huggingface/transformers pull requests 48848 and 48855, open). No release up to 5.24.0 ships
+it: neither name appears in any release's ``tensor_parallel.py`` (``transformers/integrations/`` and
+``transformers/distributed/``) nor in any model configuration, 5.13.0 – 5.24.0. As the proposal describes it
+(DTensor cannot shard unevenly, so the heads are split over part of the ranks and replicated over
+the rest), for the KV cache it would mean: each rank holds ``heads / s`` whole heads, where ``s`` is
+the number of ranks the heads are actually split over. That is ``heads / tp_size`` when ``tp_size``
+divides the heads, as with ``colwise``; otherwise ``s`` is smaller than ``tp_size``, and the count per
+rank cannot be derived from the head count and ``tp_size`` alone. The overlay
+therefore treats it as an unknown style (warning, transformers' behaviour); a release that ships it
+needs a rule of its own, best read from the local shape of the key projection's weight rather than
+from the plan's name.
 """
 
 from __future__ import annotations
