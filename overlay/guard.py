@@ -5,10 +5,11 @@ Used by two patches: ``kv-cache-dtype`` (what the KV cache stores and hands back
 through ``AttentionInterface``). Both read one setting, the *mode*:
 
 ``align`` (default)
-    Dtype disagreements are fixed: the cache stores incoming states in its own dtype and hands
-    them back in the dtype of the incoming states (the compute dtype); at the attention entry, key
-    and value are cast to the query's dtype. Everything else (devices, shapes) is validated and a
-    violation raises :class:`AttentionInputError`.
+    Dtype disagreements are fixed: the cache hands back states in the compute dtype (see
+    ``patches/kv_cache_dtype.py``); at the attention entry, key and value are cast to the query's
+    dtype when they still differ (for transformers' own kernels: once the kernel has rejected them,
+    see ``patches/attention_guard.py``). Everything else (devices, shapes) raises
+    :class:`AttentionInputError`.
 ``strict``
     Nothing is cast: any disagreement, dtype included, raises :class:`AttentionInputError`
     naming the tensors. Meant for CI, to find where a mismatched cache comes from.
@@ -26,7 +27,9 @@ recompiles the affected frames once instead of being ignored.
 Under autocast the dtype rule is left to autocast: on a device where autocast is enabled, query,
 key and value legitimately arrive in different dtypes (rotary embeddings promote q and k to
 float32 while v stays in the autocast dtype) and every attention kernel's autocast policy casts
-them itself. The device and shape checks still run.
+them itself. The device and shape checks still run. Devices autocast does not know (``meta``, ``lazy``) count as
+autocast off: asking torch about them raises, and the guard never replaces a kernel's error (or
+its own named one) with an unrelated one.
 
 Importing this module imports neither torch nor transformers.
 """
@@ -141,7 +144,14 @@ _ADVICE = {
 }
 
 
-def _raise(where: str, mode: str, problems: list[tuple[str, str]], tensors: dict[str, Any], named: list[str]) -> None:
+def _raise(
+    where: str,
+    mode: str,
+    problems: list[tuple[str, str]],
+    tensors: dict[str, Any],
+    named: list[str],
+    cause: BaseException | None = None,
+) -> None:
     kinds = []
     for kind, _ in problems:
         if kind not in kinds:
@@ -152,6 +162,9 @@ def _raise(where: str, mode: str, problems: list[tuple[str, str]], tensors: dict
     lines += [f"  {describe(name, tensors[name])}" for name in named]
     lines.append("what to do:")
     lines += [f"  - {kind}: {_ADVICE[kind]}" for kind in kinds]
+    if cause is not None:
+        lines.append(f"(the kernel's own error, {type(cause).__name__}, is chained above)")
+        raise AttentionInputError("\n".join(lines)) from cause
     raise AttentionInputError("\n".join(lines))
 
 
@@ -179,8 +192,10 @@ def check_attention_inputs(
     and positions, the query's heads are a multiple of the key's, the query's and key's head_dim
     agree. Tensors that are not 4-D (packed/varlen layouts) only get the device and dtype checks.
 
-    Costs a few attribute reads when everything agrees (the fast path below): no copy, no kernel,
-    and under ``torch.compile`` every branch is decided at trace time.
+    This is the check *before* the kernel: ``patches/attention_guard.py`` runs it in ``strict``,
+    for kernels that transformers does not ship, and under ``torch.compile`` (where every branch is
+    decided at trace time); transformers' own kernels in ``align`` get :func:`diagnose_kernel_error`
+    only after they fail. Costs a few attribute reads when everything agrees: no copy, no kernel.
     """
     mode = _mode if mode is None else mode
     if mode == OFF:
@@ -215,9 +230,69 @@ def _all_agree(query: Any, key: Any, value: Any) -> bool:
     return True
 
 
-def _diagnose(query: Any, key: Any, value: Any, module: Any, attn_implementation: str | None, mode: str):
-    """The slow path: find every problem, align dtypes in ``align``, raise on the rest."""
+def diagnose_kernel_error(
+    error: BaseException,
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    module: Any = None,
+    attn_implementation: str | None = None,
+    mode: str | None = None,
+) -> tuple[Any, Any, Any] | None:
+    """An attention kernel raised ``error`` on ``query``, ``key``, ``value``: what the guard makes of it.
+
+    - raises :class:`AttentionInputError` (chained ``from error``) naming the tensors when they do
+      not go together (devices, shapes; dtypes too in ``strict``);
+    - returns ``(query, key, value)`` with key/value cast to the query's dtype when a dtype
+      mismatch is the only problem and the mode is ``align`` (the caller calls the kernel again);
+    - returns ``None`` when nothing is wrong with the tensors (or under autocast, or in ``off``):
+      the kernel failed for a reason of its own, and the caller re-raises its error unchanged.
+
+    Never raises anything else: a failure while diagnosing also returns ``None``, so the kernel's
+    error is what the user sees.
+    """
+    mode = _mode if mode is None else mode
+    if mode == OFF:
+        return None
+    try:
+        import torch
+
+        tensor = torch.Tensor
+        if not (isinstance(query, tensor) and isinstance(key, tensor) and isinstance(value, tensor)):
+            return None
+        if _all_agree(query, key, value):
+            return None
+        aligned = _diagnose(query, key, value, module, attn_implementation, mode, cause=error)
+    except AttentionInputError:
+        raise
+    except Exception:
+        return None
+    if aligned[0] is query and aligned[1] is key and aligned[2] is value:
+        return None
+    return aligned
+
+
+def _autocast_enabled(device: Any) -> bool:
+    """``torch.is_autocast_enabled(device.type)``, False for devices autocast does not know (meta, lazy)."""
     import torch
+
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # "unknown device type for autocast": meta, lazy, ...
+        return False
+
+
+def _diagnose(
+    query: Any,
+    key: Any,
+    value: Any,
+    module: Any,
+    attn_implementation: str | None,
+    mode: str,
+    cause: BaseException | None = None,
+):
+    """The slow path: find every problem, align dtypes in ``align``, raise on the rest."""
 
     problems: list[tuple[str, str]] = []
     named: list[str] = []
@@ -235,7 +310,7 @@ def _diagnose(query: Any, key: Any, value: Any, module: Any, attn_implementation
 
     dtype_mismatch = key.dtype != query.dtype or value.dtype != query.dtype
     # Under autocast, dtypes are autocast's business (see the module docstring).
-    if dtype_mismatch and not torch.is_autocast_enabled(query.device.type) and mode == STRICT:
+    if dtype_mismatch and mode == STRICT and not _autocast_enabled(query.device):
         off_dtype = [n for n, t in (("key", key), ("value", value)) if t.dtype != query.dtype]
         dtypes = ", ".join(f"{n} is {t.dtype}" for n, t in (("key", key), ("value", value)) if t.dtype != query.dtype)
         problems.append(("dtype", f"{dtypes}, but query is {query.dtype}"))
@@ -271,8 +346,9 @@ def _diagnose(query: Any, key: Any, value: Any, module: Any, attn_implementation
             problems,
             {"query": query, "key": key, "value": value},
             named,
+            cause,
         )
-    if dtype_mismatch and mode == ALIGN and not torch.is_autocast_enabled(query.device.type):
+    if dtype_mismatch and mode == ALIGN and not _autocast_enabled(query.device):
         # The query carries the compute dtype (see patches/kv_cache_dtype.py for why).
         if key.dtype != query.dtype:
             key = key.to(query.dtype)

@@ -13,9 +13,40 @@ eager_attention_forward)`` right before calling the kernel with ``(module, query
 flash_attention_2/3/4, flex_attention, paged variants, anything registered by users or kernels
 hub) *and* each model's own ``eager_attention_forward`` (passed as ``default``): wrapping the
 registry's entries instead would miss eager, which is why the dtype fix itself lives in
-``Cache.update`` (patch ``kv-cache-dtype``) and this guard only validates. The replacement wraps
-what ``get_interface`` returns in a small function that runs
-:func:`overlay.guard.check_attention_inputs` and then calls the kernel.
+``Cache.update`` (patch ``kv-cache-dtype``) and this guard only names problems (and, in ``align``,
+casts what still differs). The replacement calls the original ``get_interface`` and hands back
+the kernel behind a wrapper; what the wrapper does depends on the kernel and the mode:
+
+- **transformers' own kernels, mode ``align``** (module-level functions of ``transformers.*``:
+  ``sdpa_attention_forward``, the flash/flex/paged kernels, every model's eager function): the
+  wrapper calls the kernel and checks nothing first. These kernels reject mismatched q, k, v
+  themselves (torch's SDPA, matmul, flash-attn and flex check devices, dtypes and shapes), so the
+  check runs only when the kernel raises (``RuntimeError``, ``ValueError``, ``TypeError``,
+  ``IndexError``, ``AssertionError``): :func:`overlay.guard.diagnose_kernel_error` looks at q, k,
+  v; a dtype mismatch alone is fixed (key/value cast to the query's dtype, kernel called once
+  more); any other problem raises :class:`overlay.guard.AttentionInputError` chained to the
+  kernel's error; if q, k, v go together the kernel's own error is re-raised unchanged. A kernel
+  that accepts mismatched inputs behaves as on stock. Calling the kernel again is safe because
+  these kernels do not modify q, k, v, and they reject their inputs before computing; the paged
+  kernels write the incoming states into the paged cache before they can fail, at precomputed
+  slots, so a second call writes the same values to the same slots (and their cache-side
+  mismatches are not visible in the q, k, v the guard sees: their error is re-raised unchanged).
+  These wrappers are built once per kernel and kept: the kernels are module attributes of
+  transformers, alive for the whole process anyway.
+- **any other callable** (registered by users or kernels hub, closures, callable objects,
+  ``functools.partial``), and **every kernel in ``strict``**: nothing is known of what such a
+  kernel accepts, so :func:`overlay.guard.check_attention_inputs` runs before the call, as in the
+  guard's first version (``align`` casts, ``strict`` raises, on devices and shapes both raise).
+  Such wrappers are built per call and never stored: the guard holds no reference to a user's
+  function (an attention function registered per model load can capture the model), and
+  callables that are not hashable (a ``@dataclass`` with ``__call__``) work.
+- **``off``**: ``get_interface`` returns the kernel unwrapped.
+- **under ``torch.compile``** (dynamo tracing, told apart by :func:`_compiling`, a function that
+  returns False when run and that dynamo replaces with one returning True): every kernel gets the
+  check before the call, decided at trace time (no graph break, no op when q, k, v agree, no
+  recompilation); exceptions raised by a kernel on fake tensors cannot be caught in the graph.
+
+Under autocast dtypes are left to autocast (see ``overlay/guard.py``).
 
 Coverage, honestly: the modeling files of 326 of the 500 model folders of 5.18.0 (357 of 532 in
 5.24.0) dispatch this way, every current decoder LLM among them (Llama, Qwen*, Gemma*, Mistral,
@@ -24,52 +55,155 @@ models, one Qwen2.5-Omni branch) and the 24 models of 5.18.0 that use a KV cache
 attention inline (XLM, ProphetNet, LED, MPT, ...). There the cache side (``kv-cache-dtype``) still
 aligns dtypes; only the named error for device/shape problems is missing.
 
-Behaviour per mode (``ATTN_OVERLAY_ATTENTION_GUARD`` / ``overlay.guard.set_mode``):
-``align`` (default) casts key/value to the query's dtype if they still differ (after the cache
-patch they normally do not) and raises :class:`overlay.guard.AttentionInputError` on device or
-shape problems; ``strict`` raises on any of them, dtype included; ``off`` returns the kernel
-unwrapped. Under autocast dtypes are left to autocast (see ``overlay/guard.py``).
-
-Cost: when everything agrees, a handful of attribute comparisons per attention call; no copy,
-no kernel; under ``torch.compile`` the checks are decided at trace time (no graph break).
+Cost when nothing needs fixing (transformers' kernels, ``align``): per attention call, the
+original ``get_interface`` plus one mode read, one dict lookup keyed by the kernel, and one
+wrapper frame (``*args, **kwargs`` passed through); no tensor is read, copied or checked.
 """
 
 from __future__ import annotations
 
-from overlay import guard
+import functools
+import sys
+from types import FunctionType
+
+from overlay import guard as _guard
 from overlay.patch import Patch, Target, wraps
 
 MODULE = "transformers.modeling_utils"
+PATCH_ID = "attention-guard"
+
+#: What kernels raise when q, k, v do not go together (torch: RuntimeError; flash/flex: ValueError,
+#: TypeError, AssertionError; a shape unpack: ValueError/IndexError). Anything else passes through.
+KERNEL_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, AssertionError)
+
+#: transformers' kernel -> (kernel, attn_implementation, wrapper), for the align fast path. Keyed by
+#: the function itself (plain functions hash by identity, in C); only module-level functions of
+#: transformers modules are stored, so this keeps alive nothing that stock would free.
+_kernel_wrappers: dict = {}
 
 
-def _guarded(function, attn_implementation):
-    """``function`` with the attention-entry check in front of it."""
+def _compiling() -> bool:
+    """False when it runs; True when dynamo traces it (its substitute, registered at apply time)."""
+    return False
+
+
+def _compiling_in_graph() -> bool:
+    return True
+
+
+_substitute_registered = False
+
+
+def _register_compile_substitute() -> None:
+    """Tell dynamo to read :func:`_compiling` as True. Imports nothing: torch._dynamo is already
+    loaded whenever transformers.modeling_utils is (it imports it); without it, nothing to do."""
+    global _substitute_registered
+    if _substitute_registered or "torch._dynamo" not in sys.modules:
+        return
+    try:
+        sys.modules["torch._dynamo"].substitute_in_graph(_compiling)(_compiling_in_graph)
+    except Exception:  # an older torch without it: dynamo then traces the eager wrappers
+        return
+    _substitute_registered = True
+
+
+def _is_transformers_kernel(function) -> bool:
+    """A module-level function of a transformers module (a kernel known to reject bad q, k, v)."""
+    if type(function) is not FunctionType:
+        return False
+    module_name = function.__module__ or ""
+    if not module_name.startswith("transformers."):
+        return False
+    return getattr(sys.modules.get(module_name), function.__name__, None) is function
+
+
+def _retry_arguments(error, attn_implementation, args, kwargs):
+    """After a kernel raised ``error``: the arguments to call it again with, or None (re-raise)."""
+    if len(args) >= 4:
+        module, query, key, value = args[:4]
+    else:
+        return None  # q, k, v passed by keyword: transformers never does; leave the error alone
+    aligned = _guard.diagnose_kernel_error(
+        error, query, key, value, module=module, attn_implementation=attn_implementation
+    )
+    if aligned is None:
+        return None
+    import torch
+
+    if not torch.compiler.is_compiling():
+        from overlay import report
+
+        casts = sorted({str(t.dtype) for t in (key, value) if t.dtype != query.dtype})
+        report.record(PATCH_ID, f"cast {'/'.join(casts)} key/value to {query.dtype} at the attention entry")
+    return (args[0], *aligned, *args[4:]), kwargs
+
+
+def _wrapper_for_kernel(function, attn_implementation):
+    """transformers' kernel in ``align``: call it; look at q, k, v only if it raises."""
 
     @wraps(function)
-    def guarded_attention(module, query, key, value, *args, **kwargs):
-        query, key, value = guard.check_attention_inputs(
-            query, key, value, module=module, attn_implementation=attn_implementation
-        )
-        return function(module, query, key, value, *args, **kwargs)
+    def guarded_attention(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except KERNEL_ERRORS as error:
+            retry = _retry_arguments(error, attn_implementation, args, kwargs)
+            if retry is None:
+                raise
+        return function(*retry[0], **retry[1])
 
     return guarded_attention
 
 
+def _checked_call(function, attn_implementation, module, query, key, value, *args, **kwargs):
+    """Check q, k, v (cast in ``align``, raise on the rest), then call the kernel."""
+    query, key, value = _guard.check_attention_inputs(
+        query, key, value, module=module, attn_implementation=attn_implementation
+    )
+    return function(module, query, key, value, *args, **kwargs)
+
+
+def _checked_wrapper(function, attn_implementation):
+    """Any other callable, or ``strict``: the check before the call. Built per call, never stored."""
+
+    def guarded_attention(module, query, key, value, *args, **kwargs):
+        return _checked_call(function, attn_implementation, module, query, key, value, *args, **kwargs)
+
+    guarded_attention.__wrapped__ = function
+    return guarded_attention
+
+
+def _slow_path(function, attn_implementation):
+    """``align``, a kernel seen for the first time (or not one of transformers')."""
+    if function is None:
+        return None
+    if _is_transformers_kernel(function):
+        wrapper = _wrapper_for_kernel(function, attn_implementation)
+        _kernel_wrappers[function] = (function, attn_implementation, wrapper)
+        return wrapper
+    return _checked_wrapper(function, attn_implementation)
+
+
 def _replace_get_interface(original):
-    # One wrapper per (kernel, implementation name), built once: get_interface runs on every
-    # attention call of every layer, and building a wrapper each time would cost more than the check.
-    wrappers: dict = {}
+    _register_compile_substitute()
+    ALIGN, OFF = _guard.ALIGN, _guard.OFF
 
     @wraps(original)
     def get_interface(self, attn_implementation, default):
         function = original(self, attn_implementation, default)
-        if function is None or guard.get_mode() == guard.OFF:
+        mode = _guard._mode
+        if mode == ALIGN and not _compiling():
+            try:
+                entry = _kernel_wrappers.get(function)
+            except Exception:  # not hashable (a @dataclass with __call__, __eq__ without __hash__)
+                entry = None
+            if entry is not None and entry[0] is function and entry[1] == attn_implementation:
+                return entry[2]
+            return _slow_path(function, attn_implementation)
+        if mode == OFF or function is None:
             return function
-        key = (function, attn_implementation)
-        guarded = wrappers.get(key)
-        if guarded is None:
-            guarded = wrappers[key] = _guarded(function, attn_implementation)
-        return guarded
+        if _compiling():  # the check before the call, decided at trace time
+            return functools.partial(_checked_call, function, attn_implementation)
+        return _checked_wrapper(function, attn_implementation)  # strict
 
     return get_interface
 

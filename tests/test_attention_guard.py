@@ -293,3 +293,232 @@ def test_guard_in_a_model_align_casts_at_the_entry(attn):
     with guard_applied():
         tokens = _prefix_then_generate(attn)
     assert torch.equal(tokens, reference)
+
+
+# -- the hot path and robustness (issues 12 and 15) ----------------------------------------------
+
+
+def _sdpa_inputs(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.randn(1, 4, 1, 8, dtype=dtype), torch.randn(1, 2, 6, 8, dtype=dtype), torch.randn(1, 2, 6, 8, dtype=dtype)
+
+
+class _GQA:  # stands for the attention module: what sdpa_attention_forward reads from it
+    num_key_value_groups = 2
+    is_causal = True
+    layer_idx = 0
+
+
+def test_transformers_kernels_are_not_checked_when_nothing_needs_fixing(monkeypatch):
+    # issue 12: in align, transformers' own kernels are called straight away; the tensors are only
+    # looked at when the kernel raises. The very tensors reach the kernel, and the result is stock's.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    query, key, value = _sdpa_inputs()
+    with overlay.reverted():
+        expected = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
+    checks = []
+    for name in ("check_attention_inputs", "_all_agree", "_diagnose"):
+        original = getattr(guard, name)
+        monkeypatch.setattr(guard, name, lambda *a, _o=original, _n=name, **k: checks.append(_n) or _o(*a, **k))
+    with guard_applied():
+        first = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)
+        assert ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager) is first  # built once
+        assert first.__wrapped__ is sdpa_attention_forward
+        out = first(_GQA(), query, key, value, None)[0]
+    assert checks == []
+    assert torch.equal(out, expected)
+
+
+def test_kernel_failure_on_mismatched_devices_raises_the_named_error_chained_to_the_kernels():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    query, key, value = _sdpa_inputs()
+    with guard_applied():
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)
+        with pytest.raises(guard.AttentionInputError) as caught:
+            attention(_GQA(), query, key, value.to("meta"), None)
+    assert problem_lines(str(caught.value)) == ["  - device: value is not on the query's device cpu"]
+    assert "_GQA (layer 0, attn_implementation='sdpa')" in str(caught.value)
+    # the kernel ran and rejected them: its own error is kept as the cause
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert not isinstance(caught.value.__cause__, guard.AttentionInputError)
+
+
+def test_kernel_errors_unrelated_to_qkv_are_re_raised_unchanged():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    query, key, value = _sdpa_inputs()
+    bad_mask = torch.zeros(1, 1, 1, 5, dtype=torch.bool)  # 5 positions, the cache holds 6
+    with overlay.reverted():
+        with pytest.raises(RuntimeError) as stock:
+            ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, bad_mask)
+    with guard_applied():
+        with pytest.raises(RuntimeError) as caught:
+            ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, bad_mask)
+    assert type(caught.value) is type(stock.value) and str(caught.value) == str(stock.value)
+
+
+def test_align_casts_after_a_kernel_rejects_dtypes_and_reports_it():
+    from overlay import report
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    query, key, value = _sdpa_inputs(torch.bfloat16)
+    with overlay.reverted():
+        reference = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
+    report.reset()
+    with guard_applied():
+        out = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key.float(), value.float(), None)[0]
+    assert torch.equal(out, reference)
+    assert report.fired_actions()[GUARD_ID] == {"cast torch.float32 key/value to torch.bfloat16 at the attention entry": 1}
+    report.reset()
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "eq_without_hash"])
+def test_unhashable_registered_attention_callables_work(kind):
+    # issue 15.1: AttentionInterface.register accepts any callable; a @dataclass with __call__ (or
+    # any class defining __eq__ without __hash__) is not hashable and failed with the guard on.
+    import dataclasses
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    if kind == "dataclass":
+
+        @dataclasses.dataclass
+        class CountingAttention:
+            calls: int = 0
+
+            def __call__(self, module, query, key, value, attention_mask, **kwargs):
+                self.calls += 1
+                return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    else:
+
+        class CountingAttention:
+            def __init__(self):
+                self.calls = 0
+
+            def __eq__(self, other):
+                return isinstance(other, CountingAttention)
+
+            def __call__(self, module, query, key, value, attention_mask, **kwargs):
+                self.calls += 1
+                return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    counting = CountingAttention()
+    with pytest.raises(TypeError):
+        hash(counting)
+    query, key, value = _sdpa_inputs()
+    AttentionInterface.register("counting-test", counting)
+    try:
+        with overlay.reverted():
+            expected = ALL_ATTENTION_FUNCTIONS.get_interface("counting-test", None)(_GQA(), query, key, value, None)[0]
+        with guard_applied():
+            for mode in guard.MODES:
+                with guard.using_mode(mode):
+                    out = ALL_ATTENTION_FUNCTIONS.get_interface("counting-test", None)(_GQA(), query, key, value, None)[0]
+                assert torch.equal(out, expected)
+            with pytest.raises(guard.AttentionInputError, match="counting-test"):  # still guarded
+                ALL_ATTENTION_FUNCTIONS.get_interface("counting-test", None)(_GQA(), query, key[..., :4], value, None)
+    finally:
+        AttentionInterface._global_mapping.pop("counting-test", None)
+    assert counting.calls == 4
+
+
+def test_the_guard_keeps_no_registered_function_alive():
+    # issue 15.2: an attention function registered per model load (a closure capturing the model,
+    # re-registered on each load) must be freed with the model, as on stock.
+    import gc
+    import weakref
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    def load_three_models():
+        refs = []
+        query, key, value = _sdpa_inputs()
+        for _ in range(3):
+            model = torch.nn.Linear(8, 8)
+
+            def attention(module, query, key, value, attention_mask, _model=model, **kwargs):
+                return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+            AttentionInterface.register("per-load-test", attention)
+            for mode in guard.MODES:
+                with guard.using_mode(mode):
+                    ALL_ATTENTION_FUNCTIONS.get_interface("per-load-test", None)(_GQA(), query, key, value, None)
+            refs.append(weakref.ref(model))
+            del model, attention
+        AttentionInterface._global_mapping.pop("per-load-test")  # the last registration goes too
+        gc.collect()
+        return [ref() is None for ref in refs]
+
+    with overlay.reverted():
+        assert load_three_models() == [True, True, True]  # stock frees every model
+    with guard_applied():
+        assert load_three_models() == [True, True, True]
+
+
+def test_meta_tensors_get_the_named_error_not_an_autocast_error():
+    # issue 15.8: torch.is_autocast_enabled("meta") raises "unknown device type for autocast"; the
+    # guard must not replace the kernel's error (or its own named one) with that.
+    query, key, value = (t.to("meta") for t in qkv())
+    with pytest.raises(guard.AttentionInputError, match=r"  - dtype: key is torch.float32, but query is torch.bfloat16"):
+        guard.check_attention_inputs(query, key.float(), value, mode="strict")
+    out = guard.check_attention_inputs(query, key.float(), value, mode="align")
+    assert out[1].dtype == torch.bfloat16 and out[1].device.type == "meta"
+    error = RuntimeError("the kernel's error")
+    with pytest.raises(guard.AttentionInputError, match="head_dim") as caught:
+        guard.diagnose_kernel_error(error, query, key[..., :4].float(), value)
+    assert caught.value.__cause__ is error
+
+
+def test_meta_tensors_through_the_patch_behave_as_stock_or_name_the_tensors():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    query, key, value = (t.to("meta") for t in _sdpa_inputs(torch.bfloat16))
+    with overlay.reverted():
+        stock = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
+    with guard_applied():
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)
+        out = attention(_GQA(), query, key, value, None)[0]
+        assert out.shape == stock.shape and out.dtype == stock.dtype and out.device == stock.device
+        out = attention(_GQA(), query, key.float(), value.float(), None)[0]  # align: cast, as on cpu
+        assert out.shape == stock.shape and out.dtype == stock.dtype
+        with guard.using_mode("strict"), pytest.raises(guard.AttentionInputError, match="dtype: key is torch.float32"):
+            ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key.float(), value, None)
+
+
+def test_compiled_attention_call_checks_at_trace_time_without_graph_break_or_recompile():
+    # Under torch.compile, exceptions a kernel raises on fake tensors cannot be caught in the graph:
+    # the guard checks before the call there (decided at trace time), as before.
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    query, key, value = _sdpa_inputs(torch.bfloat16)
+
+    def step(query, key, value):
+        return ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
+
+    def compiled_run(key, value, runs=3):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        outs = [compiled(query, key, value) for _ in range(runs)]
+        torch._dynamo.reset()
+        return outs, counter.frame_count, counter.op_count
+
+    with overlay.reverted():
+        stock_outs, stock_frames, stock_ops = compiled_run(key, value)
+    with guard_applied():
+        outs, frames, ops = compiled_run(key, value)
+        cast_outs, cast_frames, cast_ops = compiled_run(key.float(), value.float())
+        with guard.using_mode("strict"), pytest.raises(Exception, match="dtype: key is torch.float32"):
+            compiled_run(key.float(), value)
+    assert frames == stock_frames == 1 and ops == stock_ops  # not one op more when q, k, v agree
+    assert all(torch.equal(a, b) for a, b in zip(outs, stock_outs))
+    assert cast_frames == 1 and cast_ops == stock_ops + 2  # key and value cast inside the graph
+    assert all(torch.equal(a, b) for a, b in zip(cast_outs, stock_outs))
