@@ -135,20 +135,21 @@ def _replace_cache_update(original):
         # exists (the stock ``while len(self.layers) <= layer_idx`` then appends nothing), is
         # initialised, and stores exactly the incoming dtypes. Anything else (a new or lazily
         # appended layer, offloading, another dtype, an odd object) goes to ``_slow_update``,
-        # which calls the original.
+        # which calls the original. Only the checks are inside ``try`` (free in CPython 3.11+):
+        # an error raised by the layer's own update must reach the caller, never run it twice.
         try:
             layers = self.layers
-            if layer_idx < len(layers) and not self.offloading:
-                layer = layers[layer_idx]
-                keys = layer.keys
-                if (
-                    keys is not None
-                    and keys.dtype is key_states.dtype
-                    and layer.values.dtype is value_states.dtype
-                ):
-                    return layer.update(key_states, value_states, *args, **kwargs)
+            fast = (
+                layer_idx < len(layers)
+                and not self.offloading
+                and (keys := (layer := layers[layer_idx]).keys) is not None
+                and keys.dtype is key_states.dtype
+                and layer.values.dtype is value_states.dtype
+            )
         except (AttributeError, TypeError):
-            pass
+            fast = False
+        if fast:
+            return layer.update(key_states, value_states, *args, **kwargs)
         return _slow_update(original, static, self, key_states, value_states, layer_idx, args, kwargs)
 
     return update

@@ -349,6 +349,36 @@ def test_hot_path_runs_no_extra_python_frame(cache_kind):
     assert torch.equal(keys, stock_keys)
 
 
+def test_an_error_in_the_layers_update_is_raised_once_as_on_stock():
+    # The fast path's checks are guarded against odd objects; the layer's own update must not be:
+    # an AttributeError/TypeError raised inside it reaches the caller, and the update ran once.
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class FailingLayer(DynamicLayer):
+        calls = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            FailingLayer.calls += 1
+            if FailingLayer.calls > 1:
+                raise AttributeError("boom from the layer")
+            return super().update(key_states, value_states, *args, **kwargs)
+
+    k = torch.randn(1, 2, 3, 8)
+
+    def run():
+        FailingLayer.calls = 0
+        cache = Cache(layers=[FailingLayer()])
+        cache.update(k, k, 0)
+        with pytest.raises(AttributeError, match="boom from the layer"):
+            cache.update(k, k, 0)
+        return FailingLayer.calls
+
+    with stock():
+        assert run() == 2
+    with patch_on():
+        assert run() == 2
+
+
 def test_lazily_appended_layers_are_built_as_on_stock():
     # DynamicCache() without a config appends its layers inside Cache.update, one per new layer_idx.
     model = tiny_lm("qwen3", "eager", torch.float32)
