@@ -76,9 +76,10 @@ PATCH_ID = "attention-guard"
 #: TypeError, AssertionError; a shape unpack: ValueError/IndexError). Anything else passes through.
 KERNEL_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, AssertionError)
 
-#: transformers' kernel -> (kernel, attn_implementation, wrapper), for the align fast path. Keyed by
-#: the function itself (plain functions hash by identity, in C); only module-level functions of
-#: transformers modules are stored, so this keeps alive nothing that stock would free.
+#: transformers' kernel -> its wrapper, for the align fast path. Keyed by the function itself (plain
+#: functions hash and compare by identity, in C); only module-level functions of transformers
+#: modules are stored, so this keeps alive nothing that stock would free. A kernel registered under
+#: two names is named in messages by the first name it was seen under.
 _kernel_wrappers: dict = {}
 
 
@@ -178,7 +179,7 @@ def _slow_path(function, attn_implementation):
         return None
     if _is_transformers_kernel(function):
         wrapper = _wrapper_for_kernel(function, attn_implementation)
-        _kernel_wrappers[function] = (function, attn_implementation, wrapper)
+        _kernel_wrappers[function] = wrapper
         return wrapper
     return _checked_wrapper(function, attn_implementation)
 
@@ -193,12 +194,10 @@ def _replace_get_interface(original):
         mode = _guard._mode
         if mode == ALIGN and not _compiling():
             try:
-                entry = _kernel_wrappers.get(function)
+                wrapper = _kernel_wrappers.get(function)
             except Exception:  # not hashable (a @dataclass with __call__, __eq__ without __hash__)
-                entry = None
-            if entry is not None and entry[0] is function and entry[1] == attn_implementation:
-                return entry[2]
-            return _slow_path(function, attn_implementation)
+                wrapper = None
+            return _slow_path(function, attn_implementation) if wrapper is None else wrapper
         if mode == OFF or function is None:
             return function
         if _compiling():  # the check before the call, decided at trace time
