@@ -58,7 +58,7 @@ TOTALS = {
 def settings(smoke: bool) -> dict[str, Any]:
     if smoke:
         return {"rounds": 2, "repeat": 1, "number": 50, "warmup": 10}
-    return {"rounds": 30, "repeat": 15, "number": 200, "warmup": 100}
+    return {"rounds": 50, "repeat": 20, "number": 200, "warmup": 100}
 
 
 def lane_pythons(spec: str | None, smoke: bool) -> list[tuple[str, str]]:
