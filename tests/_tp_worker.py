@@ -31,70 +31,42 @@ COLLECTIVE_TIMEOUT_S = 60
 
 
 def _generate(model, torch, case: dict, chunked: bool) -> dict:
-    # 5.13-5.17 keep the static cache on the model between generate() calls; a cache left by a
-    # previous run (possibly allocated with the wrong head count) must not leak into this one.
-    if "_cache" in vars(model):
-        del model._cache
-    input_ids = torch.tensor(case["prompt"], dtype=torch.long)
-    kwargs = dict(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=case["max_new_tokens"],
-        do_sample=False,
-        cache_implementation="static",
-        disable_compile=True,
-        pad_token_id=0,
-    )
-    if chunked:
-        kwargs["prefill_chunk_size"] = case["prefill_chunk_size"]
     from overlay import report
+    from overlay.testing.models import greedy_ids
 
+    input_ids = torch.tensor(case["prompt"], dtype=torch.long)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    kwargs = {"prefill_chunk_size": case["prefill_chunk_size"]} if chunked else {}
     report.reset()
     try:
-        with torch.no_grad():
-            out = model.generate(**kwargs)
+        # greedy_ids drops a static cache 5.13-5.17 keep on the model from a previous run
+        # (possibly allocated with the wrong head count), so it cannot leak into this one.
+        result = {"ids": greedy_ids(model, inputs, case["max_new_tokens"], cache_implementation="static", **kwargs)}
     except Exception as exc:  # the stock run is expected to fail on affected releases
         result = {"error": {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}}
-    else:
-        result = {"ids": out.tolist()}
     # Calls in which the patch changed the cache shape (overlay.report, the patch's slow path).
     result["fired"] = report.fired().get("static-cache-tp-heads", 0)
     result["actions"] = sorted(report.fired_actions().get("static-cache-tp-heads", {}))
     return result
 
 
-def _local_rows(model, name: str) -> int:
-    weight = model.get_submodule(f"model.layers.0.{name}").weight
-    return int((weight.to_local() if hasattr(weight, "to_local") else weight).shape[0])
+def run_case(case: dict, world_size: int, torch) -> dict:
+    from overlay.testing.harness import PatchUnderTest
+    from overlay.testing.tensor_parallel import load_sharded, local_rows
 
-
-def run_case(case: dict, world_size: int, torch, transformers) -> dict:
-    from _tp_patching import static_cache_tp_heads_applied
-
-    config = transformers.AutoConfig.from_pretrained(case["model_dir"])
-    if case["plan"] is not None:
-        # `base_model_tp_plan` is not saved by `save_pretrained`; the plan travels in the config
-        # handed to `from_pretrained`, which builds the model's plan from it.
-        config.base_model_tp_plan = dict(case["plan"])
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        case["model_dir"],
-        config=config,
-        dtype=torch.float32,
-        distributed_config=transformers.distributed.DistributedConfig(tp_size=world_size),
-    )
-    model.eval()
+    model = load_sharded(case["model_dir"], case["plan"], world_size, dtype=torch.float32)
     result = {
         "name": case["name"],
         "tp_size": model._tp_size,
         "effective_tp_plan": dict(model.tp_plan),
         # Rows of layer 0's weights held by this rank: shows what the plan really sharded.
-        "local_rows": {name: _local_rows(model, name) for name in ("self_attn.k_proj", "mlp.gate_proj")},
+        "local_rows": {name: local_rows(model, name) for name in ("self_attn.k_proj", "mlp.gate_proj")},
         "runs": {},
     }
     result["runs"]["unchunked"] = _generate(model, torch, case, chunked=False)
     result["runs"]["chunked_stock"] = _generate(model, torch, case, chunked=True)
-    with static_cache_tp_heads_applied() as patch_status:
-        result["patch_status"] = patch_status
+    with PatchUnderTest("static_cache_tp_heads").applied(strict=True) as statuses:
+        result["patch_status"] = statuses["static-cache-tp-heads"].as_dict()
         result["runs"]["chunked_patched"] = _generate(model, torch, case, chunked=True)
     return result
 
@@ -104,14 +76,11 @@ def main(argv: list[str]) -> int:
     rank, world_size, store_file, spec_path, out_path = int(argv[0]), int(argv[1]), argv[2], argv[3], argv[4]
     # transformers reads these when it sets up the device mesh.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     import transformers
-    import transformers.distributed
 
     import_seconds = time.perf_counter() - process_started
     with open(spec_path, encoding="utf-8") as f:
@@ -129,7 +98,7 @@ def main(argv: list[str]) -> int:
     )
     try:
         for case in spec["cases"]:
-            results["cases"].append(run_case(case, world_size, torch, transformers))
+            results["cases"].append(run_case(case, world_size, torch))
             results["cases"][-1]["seconds_since_start"] = round(time.perf_counter() - started, 2)
     except Exception:
         results["fatal"] = traceback.format_exc()

@@ -13,7 +13,15 @@ import pytest
 from overlay import engine
 from overlay.engine import OverlayError
 from overlay.patch import PATCH_MARKER, Target, wraps
-from tests.toypkg import CORE_SOURCE, FIXED_COMPUTE, add_two, make_toy_package, remove_from_path, toy_patch
+from tests.toypkg import (
+    CORE_SOURCE,
+    FIXED_COMPUTE,
+    add_two,
+    make_toy_package,
+    remove_from_path,
+    scale_target,
+    toy_patch,
+)
 
 
 @pytest.fixture
@@ -29,6 +37,17 @@ def _toy_at(tmp_path, version, source=CORE_SOURCE):
 
 def _state(patch_id="toy-add-two"):
     return {s.id: s for s in engine.status()}[patch_id]
+
+
+def _assert_left_stock(toy, distribution, state, reason):
+    """Applying the toy patch gated on ``distribution`` leaves compute stock, with this status."""
+    with engine.isolated([toy_patch(toy)], distribution=distribution):
+        engine.apply()
+        core = toy.import_core()
+        assert core.Mixin().compute(1) == 2
+        status = _state()
+        assert status.state == state
+        assert reason in status.reason
 
 
 def test_lazy_import_in_range_applies_then_revert_restores_identity(toy):
@@ -93,14 +112,7 @@ def test_version_gate(tmp_path, version, expected):
 
 
 def test_distribution_not_installed_is_not_affected_and_import_still_works(toy):
-    patch = toy_patch(toy)
-    with engine.isolated([patch], distribution="surely-not-installed-dist"):
-        engine.apply()
-        core = toy.import_core()
-        assert core.Mixin().compute(1) == 2
-        state = _state()
-        assert state.state == engine.NOT_INSTALLED
-        assert "surely-not-installed-dist is not installed" in state.reason
+    _assert_left_stock(toy, "surely-not-installed-dist", engine.NOT_INSTALLED, "surely-not-installed-dist is not installed")
 
 
 def test_fingerprint_mismatch_is_unrecognised_and_untouched(toy, caplog):
@@ -183,13 +195,7 @@ def test_a_patch_that_raises_leaves_every_target_untouched(toy):
     core = toy.import_core()
     compute_before = core.Mixin.__dict__["compute"]
     scale_before = core.Mixin.__dict__["scale"]
-    scale_target = Target(
-        module=toy.module,
-        qualname="Mixin.scale",
-        originals={toy.fingerprint("@staticmethod"): "1.x"},
-        replace=broken,
-    )
-    patch = toy_patch(toy, extra_targets=(scale_target,))
+    patch = toy_patch(toy, extra_targets=(scale_target(toy, broken),))
     with engine.isolated([patch], distribution=toy.name):
         engine.apply()
         assert core.Mixin.__dict__["compute"] is compute_before
@@ -207,13 +213,7 @@ def test_staticmethod_target_stays_a_staticmethod(toy):
 
         return scale
 
-    target = Target(
-        module=toy.module,
-        qualname="Mixin.scale",
-        originals={toy.fingerprint("@staticmethod"): "1.x"},
-        replace=times_hundred,
-    )
-    patch = toy_patch(toy, extra_targets=(target,))
+    patch = toy_patch(toy, extra_targets=(scale_target(toy, times_hundred),))
     with engine.isolated([patch], distribution=toy.name):
         engine.apply()
         core = toy.import_core()
@@ -289,13 +289,7 @@ def test_disable_variable_leaves_a_patch_out(toy, monkeypatch):
 def test_invalid_version_string_is_reported_not_raised(tmp_path):
     package = _toy_at(tmp_path, "not-a-version")
     try:
-        with engine.isolated([toy_patch(package)], distribution=package.name):
-            engine.apply()
-            core = package.import_core()
-            assert core.Mixin().compute(1) == 2
-            state = _state()
-            assert state.state == engine.UNRECOGNISED
-            assert "not a PEP 440 version" in state.reason
+        _assert_left_stock(package, package.name, engine.UNRECOGNISED, "not a PEP 440 version")
     finally:
         remove_from_path(package)
 

@@ -160,28 +160,16 @@ report["autograd"] = {
     "sdpa_close": torch.allclose(q_grad_on_device.grad.cpu(), q_grad.grad, rtol=1e-5, atol=1e-6),
 }
 
-from transformers import (
-    Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-)
+from overlay.testing.models import tiny_model
 
-sizes = dict(
-    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-)
-builders = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**sizes)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**sizes)),
-    "gemma3": lambda: Gemma3ForCausalLM(
-        Gemma3TextConfig(**sizes, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
-    ),
-}
+# Heads of 8; Gemma 3 with a sliding (window 4) and a full layer.
+sizes = dict(hidden_size=32, intermediate_size=64, max_position_embeddings=64, sliding_window=4)
 # Left-padded batch, as generation with a padding tokenizer produces.
 input_ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
 attention_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
 report["generate"] = {}
-for model_name, build in builders.items():
-    torch.manual_seed(0)
-    model = build().eval()
+for model_name in ("llama", "qwen3", "gemma3"):
+    model = tiny_model(model_name, **sizes)
     for cache_implementation in (None, "static"):
         kwargs = dict(max_new_tokens=5, do_sample=False, disable_compile=True)
         if cache_implementation:

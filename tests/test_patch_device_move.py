@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
-import os
-import subprocess
 import sys
-from importlib.metadata import version
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,9 +27,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from overlay.patch import fingerprint
+from overlay.testing.harness import PatchUnderTest, assert_generated, heavy_imports, run_json_worker
 
-PATCH_ID = "device-move-nested"
-TRANSFORMERS_VERSION = Version(version("transformers"))
+PATCH = PatchUnderTest("device_move")
+PATCH_ID = PATCH.id
+TRANSFORMERS_VERSION = PATCH.transformers
 WORKER_TIMEOUT_S = 900  # imports, a first build of the fake device (about a minute), 40 tiny generations
 RESULT_MARKER = "DEVICE_MOVE_RESULT="
 MODELS = ("gemma3", "qwen3", "llama")
@@ -41,13 +39,11 @@ BUGGY_MODELS = ("gemma3", "qwen3")  # configs with layer_types: the static-cache
 
 
 def _patch():
-    from overlay.patches.device_move import PATCH
-
-    return PATCH
+    return PATCH.patch
 
 
-AFFECTED = TRANSFORMERS_VERSION in SpecifierSet(_patch().affected)
-FIXED_UPSTREAM = TRANSFORMERS_VERSION >= Version(_patch().fixed_in)
+AFFECTED = PATCH.affected
+FIXED_UPSTREAM = PATCH.fixed_upstream
 
 
 def stock_fails(model: str) -> bool:
@@ -63,7 +59,7 @@ def stock_fails(model: str) -> bool:
 
 
 def mismatch_error(device: str) -> str:
-    return f"Expected all tensors to be on the same device, but found at least two devices, {device} and cpu!"
+    return PATCH.error("neuron:0 and cpu!", device=device)
 
 
 # -- the patch data ---------------------------------------------------------------------------------
@@ -102,10 +98,7 @@ def test_declared_labels_agree_with_the_version_range():
 
 
 def test_patch_module_imports_neither_torch_nor_transformers():
-    code = "import sys, overlay.patches.device_move\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert heavy_imports("overlay.patches.device_move") == []
 
 
 # -- when the wrapper moves: decided like 5.20.0, tested with a spy ----------------------------------
@@ -243,17 +236,9 @@ def test_replacement_keeps_signature_docstring_and_wraps_the_original():
 
 
 def _run_worker(device_spec: str, cwd: Path) -> dict:
-    env = dict(os.environ, ATTN_OVERLAY="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), device_spec],
-        capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, env=env, cwd=str(cwd),
+    return run_json_worker(
+        Path(__file__).resolve(), [device_spec], marker=RESULT_MARKER, timeout=WORKER_TIMEOUT_S, cwd=str(cwd)
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARKER)]
-    if done.returncode != 0 or not lines:
-        raise AssertionError(
-            f"worker for {device_spec} exited {done.returncode}\nstdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-8000:]}"
-        )
-    return json.loads(lines[-1][len(RESULT_MARKER):])
 
 
 @pytest.fixture(scope="module", params=["fakeaccel", "neuron"])
@@ -269,8 +254,7 @@ def test_host_inputs_with_static_cache_on_stock_transformers(matrix, model):
         assert mismatch_error(matrix["device"]) in run["error"]
         assert "cpu" in run["forward_devices"]  # the nested masks reached the forward on the host
     else:
-        assert run["ok"], run.get("error")
-        assert run["ids"] == matrix["runs"][model]["cpu"]
+        assert_generated(run, matrix["runs"][model]["cpu"])
 
 
 @pytest.mark.parametrize("model", BUGGY_MODELS)
@@ -305,15 +289,13 @@ def test_fired_counter_counts_the_steps_that_moved_nested_tensors(matrix, model)
 @pytest.mark.parametrize("model", MODELS)
 def test_controls_pass_with_and_without_the_overlay(matrix, model, state, case):
     run = matrix["runs"][model][state][case]
-    assert run["ok"], run.get("error")
-    assert run["ids"] == matrix["runs"][model]["cpu"]
+    assert_generated(run, matrix["runs"][model]["cpu"])
 
 
 @pytest.mark.parametrize("state", ["stock", "patched"])
 def test_llama_without_layer_types_passes_with_host_inputs(matrix, state):
     run = matrix["runs"]["llama"][state]["host_static"]
-    assert run["ok"], run.get("error")
-    assert run["ids"] == matrix["runs"]["llama"]["cpu"]
+    assert_generated(run, matrix["runs"]["llama"]["cpu"])
 
 
 def test_engine_status(matrix):
@@ -330,8 +312,7 @@ def test_model_overriding_prepare_inputs_and_calling_super(matrix):
     override = matrix["override"]
     assert override["super_calls_patched"] > 0
     patched = override["patched"]
-    assert patched["ok"], patched.get("error")
-    assert patched["ids"] == matrix["runs"]["gemma3"]["cpu"]
+    assert_generated(patched, matrix["runs"]["gemma3"]["cpu"])
     if AFFECTED:
         assert not override["stock"]["ok"]
         assert mismatch_error(matrix["device"]) in override["stock"]["error"]
@@ -351,10 +332,7 @@ def test_wrapper_applied_by_hand_to_the_installed_code(matrix, model):
 
 @pytest.mark.gpu
 def test_cuda_host_inputs_with_static_cache(tmp_path):
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device here: this test runs the host-input static-cache case on a real GPU")
+    """The host-input static-cache case on a real GPU (skipped without CUDA: tests/conftest.py)."""
     matrix = _run_worker("cuda", tmp_path)
     for model in BUGGY_MODELS:
         runs = matrix["runs"][model]
@@ -362,8 +340,7 @@ def test_cuda_host_inputs_with_static_cache(tmp_path):
             assert not runs["stock"]["host_static"]["ok"]
             assert "cpu" in runs["stock"]["host_static"]["error"]
         patched = runs["patched"]["host_static"]
-        assert patched["ok"], patched.get("error")
-        assert patched["ids"] == runs["patched"]["device_static"]["ids"]
+        assert_generated(patched, runs["patched"]["device_static"]["ids"])
         # CUDA kernels may differ from CPU ones in the last bits; with random tiny weights the
         # greedy ids can differ from the CPU run, so the on-device-input run is the reference.
         assert patched["forward_devices"] == [matrix["device"]]
@@ -385,30 +362,18 @@ def _worker(device_spec: str) -> dict:
     device_name = str(torch.empty(0, device=device).device)
 
     import transformers
-    from transformers import (
-        Gemma3ForCausalLM,
-        Gemma3TextConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
     from transformers.generation.utils import GenerationMixin
 
-    import overlay
     from overlay import report
     from overlay.patch import PATCH_MARKER
+    from overlay.testing.models import tiny_config, tiny_model
 
-    sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-                 eos_token_id=2)
-    configs = {
-        "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(**sizes, layer_types=["sliding_attention", "full_attention"],
-                                                       sliding_window=4)),
-        "qwen3": (Qwen3ForCausalLM, Qwen3Config(**sizes)),
-        "llama": (LlamaForCausalLM, LlamaConfig(**sizes)),
-    }
-    assert configs["qwen3"][1].layer_types and not hasattr(configs["llama"][1], "layer_types")
+    # Two query heads sharing one KV head of 16; Gemma 3: a sliding (window 4) and a full layer.
+    sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                 max_position_embeddings=64, sliding_window=4)
+    configs = {kind: tiny_config(kind, **sizes) for kind in MODELS}
+    assert configs["gemma3"].layer_types == ["sliding_attention", "full_attention"]
+    assert configs["qwen3"].layer_types and not hasattr(configs["llama"], "layer_types")
 
     host_ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])  # left-padded with pad id 0
     host_mask = (host_ids != 0).long()
@@ -455,16 +420,13 @@ def _worker(device_spec: str) -> dict:
 
     @contextlib.contextmanager
     def overlay_applied():
-        with overlay.applied(only=[PATCH_ID]) as statuses:
-            (status,) = [s for s in statuses if s.id == PATCH_ID]
-            yield status
+        with PATCH.applied() as statuses:
+            yield statuses[PATCH_ID]
 
     @contextlib.contextmanager
     def wrapped_by_hand():
-        from overlay.patches.device_move import PATCH
-
         original = GenerationMixin.__dict__["prepare_inputs_for_generation"]
-        GenerationMixin.prepare_inputs_for_generation = PATCH.targets[0].replace(original)
+        GenerationMixin.prepare_inputs_for_generation = PATCH.patch.targets[0].replace(original)
         try:
             yield
         finally:
@@ -472,15 +434,12 @@ def _worker(device_spec: str) -> dict:
 
     results = {"device": device_name, "transformers": transformers.__version__, "runs": {}}
     models = {}
-    for name, (cls, config) in configs.items():
-        torch.manual_seed(0)
-        cpu_model = cls(config).eval()
+    for name, config in configs.items():
+        cpu_model = tiny_model(name, config=config)
         runs = {"cpu": generate(cpu_model, False, "static")["ids"]}
         # A separate instance for the device: generate keeps its static cache on the model and
         # some releases (5.13) reuse it on the next call, which would bring a CPU cache along.
-        model = cls(config).eval()
-        model.load_state_dict(cpu_model.state_dict())
-        model.to(device)
+        model = tiny_model(name, device=device, config=config)
         models[name] = model
         stock_code()
         runs["stock"] = {case: generate(model, *args) for case, args in cases.items()}
@@ -492,7 +451,7 @@ def _worker(device_spec: str) -> dict:
             runs["by_hand"] = {"host_static": generate(model, *cases["host_static"])}
         results["runs"][name] = runs
 
-    class Gemma3WithOwnPrepareInputs(Gemma3ForCausalLM):
+    class Gemma3WithOwnPrepareInputs(transformers.Gemma3ForCausalLM):
         super_calls = 0
 
         def prepare_inputs_for_generation(self, input_ids, **kwargs):
@@ -501,7 +460,7 @@ def _worker(device_spec: str) -> dict:
             model_inputs.pop("token_type_ids", None)
             return model_inputs
 
-    overriding = Gemma3WithOwnPrepareInputs(configs["gemma3"][1]).eval()
+    overriding = Gemma3WithOwnPrepareInputs(configs["gemma3"]).eval()
     overriding.load_state_dict(models["gemma3"].state_dict())
     overriding.to(device)
     results["override"] = {"stock": generate(overriding, *cases["host_static"])}
@@ -513,4 +472,6 @@ def _worker(device_spec: str) -> dict:
 
 
 if __name__ == "__main__":
+    import json
+
     print(RESULT_MARKER + json.dumps(_worker(sys.argv[1])), flush=True)

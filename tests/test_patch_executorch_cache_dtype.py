@@ -7,59 +7,30 @@ decoder with a static cache built in bfloat16 by hand, eagerly and through ``tor
 
 from __future__ import annotations
 
-import contextlib
-import importlib.metadata
 import re
 
 import pytest
 import torch
-from packaging.version import Version
 
 import overlay
+from overlay.testing.harness import PatchUnderTest
+from overlay.testing.models import tiny_model
 
-TF_VERSION = Version(importlib.metadata.version("transformers"))
-if TF_VERSION < Version("5.13.0"):
-    pytest.skip("executorch-cache-dtype covers transformers 5.13.0 and later", allow_module_level=True)
+PATCH = PatchUnderTest("executorch_cache_dtype")
+PATCH.skip_module_unless_covered()
 
-from transformers import (  # noqa: E402
-    DynamicCache,
-    EncoderDecoderCache,
-    StaticCache,
-    T5Config,
-    T5ForConditionalGeneration,
-)
+from transformers import DynamicCache, EncoderDecoderCache, StaticCache  # noqa: E402
 
-PATCH_ID = "executorch-cache-dtype"
-INDEX_COPY_ERROR = (
-    "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16"
-)
+pytestmark = pytest.mark.usefixtures("one_thread")
+INDEX_COPY_ERROR = PATCH.error("same dtype")
 MAX_CACHE_LEN = 8
 STEPS = 3
 
 
-@contextlib.contextmanager
-def overlay_on():
-    with overlay.applied(only=[PATCH_ID]) as statuses:
-        assert [s.state for s in statuses if s.id == PATCH_ID] == ["applied"], statuses
-        yield
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def t5():
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-    )
-    model = T5ForConditionalGeneration(config).eval().to(torch.bfloat16)
+    # The release's default attention (5.13's T5 has no sdpa).
+    model = tiny_model("t5", torch.bfloat16, attn_implementation=None, vocab_size=64, hidden_size=32, intermediate_size=64)
     with torch.no_grad():
         encoder_states = model.get_encoder()(input_ids=torch.tensor([[5, 6, 7, 8, 9]])).last_hidden_state
     return model, encoder_states
@@ -108,7 +79,7 @@ def test_stock_module_fails_on_a_bf16_model(t5):
 def test_patched_module_logits_equal_a_bf16_cache_run(t5):
     model, encoder_states = t5
     reference = bf16_cache_reference(model, encoder_states)
-    with overlay_on():
+    with PATCH.applied(expect="applied"):
         module = export_module(model)
     layers = module.static_cache.layers
     assert {layer.keys.dtype for layer in layers} | {layer.values.dtype for layer in layers} == {torch.bfloat16}
@@ -125,7 +96,7 @@ def test_patched_module_logits_equal_a_bf16_cache_run(t5):
 def test_patched_module_exports_and_the_program_matches(t5):
     model, encoder_states = t5
     reference = bf16_cache_reference(model, encoder_states)
-    with overlay_on():
+    with PATCH.applied(expect="applied"):
         module = export_module(model)
     with torch.no_grad():
         program = torch.export.export(module, (torch.tensor([[0]]), encoder_states, torch.tensor([0])), strict=True)
@@ -140,7 +111,7 @@ def test_float32_model_is_left_exactly_as_stock(t5):
     from transformers.cache_utils import StaticLayer
 
     model, _ = t5
-    fp32_model = T5ForConditionalGeneration(model.config).eval()
+    fp32_model = type(model)(model.config).eval()
     allocations = []
     original = StaticLayer.lazy_initialization
 
@@ -152,7 +123,7 @@ def test_float32_model_is_left_exactly_as_stock(t5):
         with overlay.reverted():
             export_module(fp32_model)
         stock_allocations = len(allocations)
-        with overlay_on():
+        with PATCH.applied(expect="applied"):
             module = export_module(fp32_model)
     # nothing re-allocated: as many cache allocations as stock, all float32
     assert len(allocations) == 2 * stock_allocations

@@ -18,58 +18,33 @@ prints the results as JSON; the tests read them.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import json
-import os
-import subprocess
-import sys
 import warnings
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
-from overlay.patch import PATCH_MARKER, fingerprint
+from overlay.patch import fingerprint
+from overlay.testing.harness import PatchUnderTest, assert_generated, heavy_imports, run_json_worker
 
-PATCH_ID = "kept-static-cache"
-TRANSFORMERS_VERSION = Version(version("transformers"))
+PATCH = PatchUnderTest("kept_static_cache")
+PATCH_ID = PATCH.id
+TRANSFORMERS_VERSION = PATCH.transformers
 WORKER_TIMEOUT_S = 900  # imports, maybe a first build of the fake device (about a minute), ~40 tiny generations
 RESULT_MARKER = "KEPT_STATIC_CACHE_RESULT="
 MODELS = ("llama", "gemma3")
 MAX_NEW_TOKENS = 5
-
-
-def _patch():
-    from overlay.patches.kept_static_cache import PATCH
-
-    return PATCH
-
-
-AFFECTED = SpecifierSet(_patch().affected).contains(TRANSFORMERS_VERSION, prereleases=True)
-FIXED_UPSTREAM = Version(TRANSFORMERS_VERSION.base_version) >= Version(_patch().fixed_in)
-
-DEVICE_ERROR = "index_copy_(): self, index and source expected to be in the same device, but got (self) cpu"
-DTYPE_ERROR = "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16"
-
-
-def _stock_function():
-    from transformers.generation.utils import GenerationMixin
-
-    func = vars(GenerationMixin)["_prepare_static_cache"]
-    while getattr(func, PATCH_MARKER, None) is not None:
-        func = func.__wrapped__
-    return func
+AFFECTED = PATCH.affected
+FIXED_UPSTREAM = PATCH.fixed_upstream
+DTYPE_ERROR = PATCH.error("same dtype")
 
 
 # -- the patch data -----------------------------------------------------------------------------
 
 
 def test_installed_code_is_a_known_variant():
-    (target,) = _patch().targets
-    digest = fingerprint(_stock_function())
+    (target,) = PATCH.patch.targets
+    digest = fingerprint(PATCH.stock())
     if AFFECTED:
         assert digest in target.originals, f"transformers {TRANSFORMERS_VERSION}: unknown original {digest}"
     elif FIXED_UPSTREAM:
@@ -79,18 +54,15 @@ def test_installed_code_is_a_known_variant():
 
 
 def test_replacement_keeps_name_docstring_and_signature():
-    stock = _stock_function()
-    replacement = _patch().targets[0].replace(stock)
+    stock = PATCH.stock()
+    replacement = PATCH.patch.targets[0].replace(stock)
     assert replacement.__wrapped__ is stock
     assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
     assert inspect.signature(replacement) == inspect.signature(stock)
 
 
 def test_patch_module_imports_neither_torch_nor_transformers():
-    code = "import sys, overlay.patches.kept_static_cache\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert heavy_imports("overlay.patches.kept_static_cache") == []
 
 
 # -- the real failure and fix, in a subprocess with the fake device -------------------------------
@@ -98,18 +70,10 @@ def test_patch_module_imports_neither_torch_nor_transformers():
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ, ATTN_OVERLAY="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
-        capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, env=env,
+    return run_json_worker(
+        Path(__file__).resolve(), marker=RESULT_MARKER, timeout=WORKER_TIMEOUT_S,
         cwd=str(tmp_path_factory.mktemp("kept-static-cache")),
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARKER)]
-    if done.returncode != 0 or not lines:
-        raise AssertionError(
-            f"worker exited {done.returncode}\nstdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-8000:]}"
-        )
-    return json.loads(lines[-1][len(RESULT_MARKER):])
 
 
 def test_engine_status(results):
@@ -125,7 +89,7 @@ def _device_error(results) -> str:
     # The C++ fake device reports index_copy_'s own message; the pure-Python one the generic
     # device-mismatch message (see overlay.testing.fake_device).
     if results["backend"] == "cpp":
-        return DEVICE_ERROR
+        return PATCH.error("same device", device=results["device"])
     return "Expected all tensors to be on the same device"
 
 
@@ -138,8 +102,7 @@ def test_host_run_then_model_to_device_on_stock_transformers(results, model):
         if results["backend"] == "cpp":
             assert f"(source) {results['device']}" in run["error"]
     else:
-        assert run["ok"], run.get("error")
-        assert run["ids"] == results["runs"][model]["to_device"]["host_ids"]
+        assert_generated(run, results["runs"][model]["to_device"]["host_ids"])
 
 
 @pytest.mark.parametrize("flow", ["patched", "patched_after_stock_host_run"])
@@ -147,8 +110,7 @@ def test_host_run_then_model_to_device_on_stock_transformers(results, model):
 def test_host_run_then_model_to_device_with_the_overlay(results, model, flow):
     runs = results["runs"][model]["to_device"]
     run = runs[flow]
-    assert run["ok"], run.get("error")
-    assert run["ids"] == runs["host_ids"]
+    assert_generated(run, runs["host_ids"])
     assert run["cache"] == {"device": results["device"], "dtype": "torch.float32"}
     if AFFECTED:
         assert run["fired"] > 0
@@ -170,8 +132,7 @@ def test_dtype_change_on_stock_transformers(results, model):
         assert hidden["cache"]["dtype"] == "torch.float32"
         assert "KVCacheDtypeWarning" in hidden["warnings"]
     else:
-        assert stock["ok"], stock.get("error")
-        assert stock["ids"] == runs["control_ids"]
+        assert_generated(stock, runs["control_ids"])
 
 
 @pytest.mark.parametrize("flow", ["patched", "patched_with_kv_cache_dtype"])
@@ -195,8 +156,7 @@ def test_dtype_change_with_the_overlay_rebuilds_in_the_model_dtype(results, mode
 @pytest.mark.parametrize("model", MODELS)
 def test_nothing_changed_reuses_the_same_cache_and_does_not_fire(results, model):
     run = results["runs"][model]["unchanged"]
-    assert run["ok"], run.get("error")
-    assert run["ids"] == run["first_ids"]
+    assert_generated(run, run["first_ids"])
     assert run["fired"] == 0
     if AFFECTED:
         assert run["same_cache_object"], "a kept cache that still matches must be reused, as upstream does"
@@ -218,7 +178,7 @@ def _worker() -> dict:
 
     import overlay
     from overlay import guard, report
-    from overlay.testing.models import left_padded_batch, tiny_model
+    from overlay.testing.models import left_padded_batch, on_device as on, tiny_model
 
     def cache_placement(cache):
         layer = next((l for l in getattr(cache, "layers", ()) if getattr(l, "is_initialized", False)), None)
@@ -250,13 +210,7 @@ def _worker() -> dict:
         result["cache"] = cache_placement(caches[-1]) if caches else None
         return result
 
-    @contextlib.contextmanager
-    def patched(*extra):
-        with overlay.applied(only=[PATCH_ID, *extra]) as statuses:
-            yield {s.id: s for s in statuses}
-
-    def on(batch, where):
-        return {k: v.to(where) for k, v in batch.items()}
+    patched = PATCH.applied
 
     batch = left_padded_batch((6, 4))
     results = {"device": device_name, "backend": fake_device_backend(), "transformers": transformers.__version__,
@@ -314,4 +268,6 @@ def _worker() -> dict:
 
 
 if __name__ == "__main__":
+    import json
+
     print(RESULT_MARKER + json.dumps(_worker()), flush=True)

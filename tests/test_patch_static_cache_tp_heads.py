@@ -16,7 +16,6 @@ On releases fixed upstream (5.20.0+) the stock runs pass and the patch reports "
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -29,32 +28,31 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from overlay.patch import PATCH_MARKER, fingerprint
+from overlay.testing.harness import PatchUnderTest
+from overlay.testing.models import greedy_ids, save_tiny_model, tiny_config
+from overlay.testing.tensor_parallel import ATTENTION_COLWISE, ATTENTION_GATHERED, MLP
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
-if str(TESTS_DIR) not in sys.path:  # the helpers shared with the rank processes
-    sys.path.insert(0, str(TESTS_DIR))
 
-from _tp_patching import load_patch_module, static_cache_tp_heads_applied  # noqa: E402
-
-from overlay.patch import PATCH_MARKER, fingerprint  # noqa: E402
-
-PATCH_MODULE = load_patch_module()
-PATCH = PATCH_MODULE.PATCH
+PATCH_UNDER_TEST = PatchUnderTest("static_cache_tp_heads")
+PATCH_MODULE = PATCH_UNDER_TEST.patch_module
+PATCH = PATCH_UNDER_TEST.patch
 TARGET = PATCH.targets[0]
 
-TRANSFORMERS_VERSION = Version(importlib.metadata.version("transformers"))
-AFFECTED = SpecifierSet(PATCH.affected).contains(TRANSFORMERS_VERSION, prereleases=True)
-FIXED_UPSTREAM = Version(TRANSFORMERS_VERSION.base_version) >= Version(PATCH.fixed_in)
+TRANSFORMERS_VERSION = PATCH_UNDER_TEST.transformers
+AFFECTED = PATCH_UNDER_TEST.affected
+FIXED_UPSTREAM = PATCH_UNDER_TEST.fixed_upstream
 # transformers 5.16.0 - 5.16.1 load a tensor-parallel model without ever setting
 # `model._tp_size` (their distributed mixin declares it and never assigns it), so their eager
 # static cache never divides: plans that keep every head work stock there, and a colwise k_proj
 # fails the other way round (the patch divides by the size the model was sharded with).
 TP_SIZE_RECORDED = not (Version("5.16.0") <= Version(TRANSFORMERS_VERSION.base_version) < Version("5.17.0"))
 
-INDEX_COPY_ERROR = "index_copy_(): Source/destination tensor must have same slice shapes"
+INDEX_COPY_ERROR = PATCH_UNDER_TEST.error("slice shapes")
 # The variant of 5.13.0-5.17.0 sizes the cache from the global head count only.
 SCALAR_HEADS_VARIANT = "5.13.0-5.17.0"
 
@@ -63,33 +61,10 @@ WORLD_SIZE = 2
 # the run takes well under a minute. A hung rank is killed and the test fails with its log.
 WORKER_TIMEOUT_S = 300
 
-ATTENTION_COLWISE = {
-    "layers.*.self_attn.q_proj": "colwise",
-    "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise",
-    "layers.*.self_attn.o_proj": "rowwise",
-}
-ATTENTION_GATHERED = {
-    "layers.*.self_attn.q_proj": "colwise_gather_output",
-    "layers.*.self_attn.k_proj": "colwise_gather_output",
-    "layers.*.self_attn.v_proj": "colwise_gather_output",
-    "layers.*.self_attn.o_proj": "rowwise_split_input",
-}
-MLP = {
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
-
 
 def stock_static_cache_init_shape():
     """The installed release's own function, even if the overlay patched this process already."""
-    from transformers.generation.utils import GenerationMixin
-
-    func = vars(GenerationMixin)["_get_static_cache_init_shape"]
-    while getattr(func, PATCH_MARKER, None) is not None:
-        func = func.__wrapped__
-    return func
+    return PATCH_UNDER_TEST.stock()
 
 
 def stock_variant() -> str | None:
@@ -113,7 +88,8 @@ def test_engine_applies_on_affected_releases_and_reports_fixed_upstream_after():
     from transformers.generation.utils import GenerationMixin
 
     before = vars(GenerationMixin)["_get_static_cache_init_shape"]
-    with static_cache_tp_heads_applied() as status:
+    with PATCH_UNDER_TEST.applied(strict=True) as statuses:
+        status = statuses[PATCH.id].as_dict()
         current = vars(GenerationMixin)["_get_static_cache_init_shape"]
         if AFFECTED:
             assert status["state"] == "applied", status
@@ -159,20 +135,11 @@ class ShardedBy516StandIn(ShardedModelStandIn):
 
 
 def tiny_text_config(num_key_value_heads=4, per_layer_kv_heads=None, **extra):
-    from transformers import LlamaConfig
-
-    kwargs = dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=8,
-    )
+    """A Llama config with 4 query heads of 8 (``extra`` set on it afterwards)."""
+    overrides = {}
     if per_layer_kv_heads is not None:
-        kwargs["per_layer_config"] = {i: {"num_key_value_heads": h} for i, h in enumerate(per_layer_kv_heads)}
-    config = LlamaConfig(**kwargs)
+        overrides["per_layer_config"] = {i: {"num_key_value_heads": h} for i, h in enumerate(per_layer_kv_heads)}
+    config = tiny_config("llama", hidden_size=32, intermediate_size=64, num_key_value_heads=num_key_value_heads, **overrides)
     for name, value in extra.items():
         setattr(config, name, value)
     return config
@@ -344,35 +311,11 @@ EXPECTED_LOCAL_ROWS = {
 
 
 def build_tiny_models(directory: Path) -> dict[str, Path]:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM
-
-    shape = dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        # Wide weights give well-separated logits, so greedy picks do not hinge on the last bit
-        # of a sum that tensor parallelism adds up in another order.
-        initializer_range=0.5,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,
-    )
-    paths = {}
-    for name, config_cls, model_cls in (
-        ("llama", LlamaConfig, LlamaForCausalLM),
-        ("olmo2", Olmo2Config, Olmo2ForCausalLM),
-    ):
-        torch.manual_seed(0)
-        paths[name] = directory / name
-        model_cls(config_cls(**shape)).save_pretrained(paths[name])
-    return paths
+    # Wide weights (initializer_range 0.5) give well-separated logits, so greedy picks do not
+    # hinge on the last bit of a sum that tensor parallelism adds up in another order.
+    shape = dict(hidden_size=32, intermediate_size=64, max_position_embeddings=64, initializer_range=0.5,
+                 eos_token_id=None)
+    return {kind: Path(save_tiny_model(directory / kind, kind, **shape)) for kind in ("llama", "olmo2")}
 
 
 def single_process_ids(model_dir: Path) -> list[list[int]]:
@@ -381,17 +324,8 @@ def single_process_ids(model_dir: Path) -> list[list[int]]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     input_ids = torch.tensor(PROMPT)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-            cache_implementation="static",
-            disable_compile=True,
-            pad_token_id=0,
-        )
-    return out.tolist()
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    return greedy_ids(model, inputs, MAX_NEW_TOKENS, cache_implementation="static")
 
 
 def worker_environment() -> dict[str, str]:

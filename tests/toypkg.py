@@ -27,20 +27,12 @@ def helper(x):
     return x - 1
 '''
 
-FIXED_COMPUTE = '''\
-class Mixin:
-    def compute(self, x):
-        """Adds two: fixed upstream."""
-        return x + 2
-
-    @staticmethod
-    def scale(x):
-        return x * 10
-
-
-def helper(x):
-    return x - 1
-'''
+FIXED_COMPUTE = CORE_SOURCE.replace(
+    '''"""Adds one (the bug: should add two)."""
+        return x + 1''',
+    '''"""Adds two: fixed upstream."""
+        return x + 2''',
+)
 
 
 @dataclass
@@ -110,6 +102,12 @@ def toy_patch(toy: ToyPackage, *, affected=">=1.0,<2.0", fixed_in="2.0", replace
     )
 
 
+def scale_target(toy: ToyPackage, replace) -> Target:
+    """A second target in the same module: the static method ``Mixin.scale``."""
+    return Target(module=toy.module, qualname="Mixin.scale", originals={toy.fingerprint("@staticmethod"): "1.x"},
+                  replace=replace)
+
+
 def remove_from_path(toy: ToyPackage) -> None:
     toy.forget()
     if toy.root in sys.path:
@@ -119,4 +117,4 @@ def remove_from_path(toy: ToyPackage) -> None:
     importlib.invalidate_caches()
 
 
-__all__ = ["make_toy_package", "toy_patch", "add_two", "remove_from_path", "CORE_SOURCE", "FIXED_COMPUTE"]
+__all__ = ["make_toy_package", "toy_patch", "scale_target", "add_two", "remove_from_path", "CORE_SOURCE", "FIXED_COMPUTE"]

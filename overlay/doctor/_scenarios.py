@@ -105,25 +105,10 @@ def run_case(name: str, control: bool, reference: Callable[[], list], under_test
 
 
 def _generate(model, inputs: dict, **kwargs) -> list:
-    import torch
+    from overlay.testing.models import greedy_ids
 
-    # 5.13-5.17 keep a static cache on the model between generate() calls; each run starts clean.
-    vars(model).pop("_cache", None)
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-            disable_compile=True,
-            pad_token_id=0,
-            **kwargs,
-        )
-    sequences = out.sequences if hasattr(out, "sequences") else out
-    return sequences.cpu().tolist()
-
-
-def _on(batch: dict, device) -> dict:
-    return {k: v.to(device) for k, v in batch.items()}
+    # greedy_ids drops a static cache 5.13-5.17 keep on the model: each run starts clean.
+    return greedy_ids(model, inputs, MAX_NEW_TOKENS, **kwargs)
 
 
 # -- the scenarios -------------------------------------------------------------------------------
@@ -132,7 +117,7 @@ def _on(batch: dict, device) -> dict:
 def run_host_inputs_static(device, **_) -> list[dict]:
     """Host-side left-padded inputs, static cache, model on ``device``; reference: the same
     inputs moved to the device first. The fix: ``device-move-nested`` (upstream since 5.20.0)."""
-    from overlay.testing.models import left_padded_batch, tiny_model
+    from overlay.testing.models import left_padded_batch, on_device, tiny_model
 
     batch = left_padded_batch(PROMPT_LENGTHS)
     cases = []
@@ -148,7 +133,7 @@ def run_host_inputs_static(device, **_) -> list[dict]:
             run_case(
                 f"{kind}, {cache} cache" + (" (control)" if control else ""),
                 control,
-                reference=lambda: _generate(model, _on(batch, device), **kwargs),
+                reference=lambda: _generate(model, on_device(batch, device), **kwargs),
                 under_test=lambda: _generate(model, batch, **kwargs),
             )
         )
@@ -161,9 +146,9 @@ def run_cache_dtype_static(device, **_) -> list[dict]:
     import torch
     from transformers import StaticCache
 
-    from overlay.testing.models import cache_argument_name, left_padded_batch, tiny_model
+    from overlay.testing.models import cache_argument_name, left_padded_batch, on_device, tiny_model
 
-    batch = _on(left_padded_batch(PROMPT_LENGTHS), device)
+    batch = on_device(left_padded_batch(PROMPT_LENGTHS), device)
     max_cache_len = batch["input_ids"].shape[1] + MAX_NEW_TOKENS
     cases = []
     for kind in ("llama", "qwen3", "gemma3"):
@@ -243,38 +228,17 @@ def run_cache_dtype_prefix(device, **_) -> list[dict]:
     return cases
 
 
-# Plans for a Llama-like model. Module keys as in transformers' own base_model_tp_plan.
-_MLP_PLAN = {
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
-TP_PLANS: tuple[tuple[str, dict, bool], ...] = (
-    # (name, plan, control)
-    ("MLP-only plan (attention unsharded)", dict(_MLP_PLAN), False),
-    (
-        "q/k/v colwise_gather_output (OLMo2-style)",
-        {
-            "layers.*.self_attn.q_proj": "colwise_gather_output",
-            "layers.*.self_attn.k_proj": "colwise_gather_output",
-            "layers.*.self_attn.v_proj": "colwise_gather_output",
-            "layers.*.self_attn.o_proj": "rowwise_split_input",
-            **_MLP_PLAN,
-        },
-        False,
-    ),
-    (
-        "attention colwise (control: heads really sharded)",
-        {
-            "layers.*.self_attn.q_proj": "colwise",
-            "layers.*.self_attn.k_proj": "colwise",
-            "layers.*.self_attn.v_proj": "colwise",
-            "layers.*.self_attn.o_proj": "rowwise",
-            **_MLP_PLAN,
-        },
-        True,
-    ),
-)
+def _tp_plans() -> tuple[tuple[str, dict, bool], ...]:
+    """(name, plan, control) for a Llama-like model, from :mod:`overlay.testing.tensor_parallel`."""
+    from overlay.testing.tensor_parallel import ATTENTION_COLWISE, ATTENTION_GATHERED, MLP
+
+    return (
+        ("MLP-only plan (attention unsharded)", dict(MLP), False),
+        ("q/k/v colwise_gather_output (OLMo2-style)", {**ATTENTION_GATHERED, **MLP}, False),
+        ("attention colwise (control: heads really sharded)", {**ATTENTION_COLWISE, **MLP}, True),
+    )
+
+
 TP_PROMPT_LENGTH = 8
 TP_PREFILL_CHUNK = 3
 
@@ -288,57 +252,38 @@ def _tp_model_dir(workdir: str) -> str:
 def prepare_tp_prefill_chunk(*, workdir: str, world_size: int) -> None:
     """Saves the tiny model each rank loads. Runs before the process group exists: under an
     initialised group, save_pretrained writes on rank 0 only, and ranks do not share a folder."""
-    from overlay.testing.models import tiny_model
+    from overlay.testing.models import save_tiny_model
 
     # Head counts that divide by the world size, so that the colwise control shards evenly.
     heads = 2 * world_size
-    tiny_model(
+    save_tiny_model(
+        _tp_model_dir(workdir),
         "llama",
         num_attention_heads=heads,
         num_key_value_heads=world_size,
         hidden_size=16 * heads,
         intermediate_size=32 * world_size,
-    ).save_pretrained(_tp_model_dir(workdir))
+    )
 
 
 def run_tp_prefill_chunk(device, *, workdir: str, world_size: int, **_) -> list[dict]:
     """Under tensor parallelism (this process is one rank; the process group is initialised by
     the caller): the model of :func:`prepare_tp_prefill_chunk` loaded with each plan in
-    ``TP_PLANS``; ``generate(cache_implementation='static', prefill_chunk_size=3)`` on an
+    :func:`_tp_plans`; ``generate(cache_implementation='static', prefill_chunk_size=3)`` on an
     8-token prompt; reference: the same model without ``prefill_chunk_size``. The fix:
     ``static-cache-tp-heads`` (upstream since 5.20.0)."""
-    import importlib
-    import inspect
-
     import torch
-    import transformers
+
+    from overlay.testing.tensor_parallel import load_sharded
 
     model_dir = _tp_model_dir(workdir)
-    try:  # 5.18+: DistributedConfig(tp_size=...); the tp_plan/tp_size arguments are deprecated there
-        config_class = importlib.import_module("transformers.distributed").DistributedConfig
-    except (ImportError, AttributeError):
-        config_class = None
-    use_distributed_config = config_class is not None and "tp_size" in inspect.signature(config_class).parameters
     generator = torch.Generator().manual_seed(2)
     prompt = torch.randint(3, 128, (1, TP_PROMPT_LENGTH), generator=generator)
 
     cases = []
-    for name, plan, control in TP_PLANS:
-        def load(plan=plan):
-            config = transformers.AutoConfig.from_pretrained(model_dir)
-            # The plan travels in the config: save_pretrained does not keep base_model_tp_plan.
-            config.base_model_tp_plan = dict(plan)
-            if use_distributed_config:
-                parallel = {"distributed_config": config_class(tp_size=world_size)}
-            else:
-                parallel = {"tp_plan": "auto", "tp_size": world_size}
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                model_dir, config=config, dtype=torch.float32, **parallel
-            )
-            return model.eval()
-
+    for name, plan, control in _tp_plans():
         try:
-            model = load()
+            model = load_sharded(model_dir, plan, world_size, dtype=torch.float32)
         except Exception as exc:
             cases.append({"name": name, "control": control, "ok": False, "error": "loading with this plan failed: " + one_line(exc), "where": where(exc)})
             continue

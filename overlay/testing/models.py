@@ -1,7 +1,7 @@
-"""Tiny randomly initialised causal LMs built from configs, and hand-made left-padded batches.
+"""Tiny randomly initialised models built from configs, and hand-made left-padded batches.
 
-For tests and for ``python -m overlay.doctor``: no downloads, no tokenizer, seconds on a CPU.
-The three kinds cover the code paths the patches care about:
+The one place tests, ``python -m overlay.doctor`` and the benchmarks get their models from: no
+downloads, no tokenizer, seconds on a CPU. The kinds cover the code paths the patches care about:
 
 ``"gemma3"``
     ``Gemma3ForCausalLM`` with ``layer_types`` = sliding + full attention: the attention mask
@@ -10,6 +10,15 @@ The three kinds cover the code paths the patches care about:
     ``Qwen3ForCausalLM``: ``layer_types`` all full attention (still a mask dict), q/k norms.
 ``"llama"``
     ``LlamaForCausalLM``: no ``layer_types``, one plain mask tensor. The control model.
+``"olmo2"``
+    ``Olmo2ForCausalLM``: a Llama-like model whose own tensor-parallel plan gathers the k/v
+    projections (``colwise_gather_output``), so every rank keeps every KV head.
+``"t5"``
+    ``T5ForConditionalGeneration``: the encoder-decoder (seq2seq) model; :func:`tiny_config`
+    maps the shared size names onto T5's own (``d_model``, ``d_ff``, ``d_kv``, ``num_heads``).
+
+Sizes: the defaults below (hidden 64, 4 query and 2 KV heads); a test that relies on other sizes
+passes them as overrides (e.g. ``hidden_size=32, intermediate_size=64`` for head_dim 8).
 
 Weights come from ``torch.manual_seed(seed)`` and transformers' own initialisation, always in
 float32 on the CPU, then cast and moved: the same ``seed`` gives the same weights whatever the
@@ -26,10 +35,20 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KINDS", "PAD_TOKEN_ID", "tiny_config", "tiny_model", "left_padded_batch", "cache_argument_name"]
+__all__ = [
+    "KINDS",
+    "PAD_TOKEN_ID",
+    "tiny_config",
+    "tiny_model",
+    "save_tiny_model",
+    "left_padded_batch",
+    "on_device",
+    "greedy_ids",
+    "cache_argument_name",
+]
 
 #: Model kinds :func:`tiny_config` knows.
-KINDS = ("gemma3", "qwen3", "llama")
+KINDS = ("gemma3", "qwen3", "llama", "olmo2", "t5")
 
 PAD_TOKEN_ID = 0
 BOS_TOKEN_ID = 1
@@ -42,6 +61,17 @@ _CLASSES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "t5": ("T5Config", "T5ForConditionalGeneration"),
+}
+
+# The shared size names -> T5Config's.
+_T5_NAMES = {
+    "hidden_size": "d_model",
+    "head_dim": "d_kv",
+    "intermediate_size": "d_ff",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
 }
 
 
@@ -62,8 +92,10 @@ def tiny_config(
 
     ``head_dim`` is ``hidden_size // num_attention_heads`` unless given. For ``"gemma3"`` the
     layers alternate sliding and full attention (``layer_types``), starting with sliding, and
-    ``sliding_window`` applies; the other kinds ignore ``sliding_window``. ``overrides`` are
-    passed to the config class as they are (e.g. ``base_model_tp_plan``, ``initializer_range``).
+    ``sliding_window`` applies; the other kinds ignore ``sliding_window``. For ``"t5"`` the
+    encoder and the decoder both have ``num_hidden_layers`` layers, there is no separate KV head
+    count, and decoding starts from the pad token. ``overrides`` are passed to the config class
+    as they are (e.g. ``base_model_tp_plan``, ``initializer_range``, ``per_layer_config``).
     """
     import transformers
 
@@ -84,6 +116,11 @@ def tiny_config(
         eos_token_id=EOS_TOKEN_ID,
         tie_word_embeddings=False,
     )
+    if kind == "t5":
+        # No KV head count, positions or bos; T5's default embedding tying; decoding starts at pad.
+        for name in ("num_key_value_heads", "max_position_embeddings", "bos_token_id", "tie_word_embeddings"):
+            del kwargs[name]
+        kwargs.update(num_decoder_layers=num_hidden_layers, decoder_start_token_id=PAD_TOKEN_ID)
     if kind == "gemma3":
         kwargs.update(
             sliding_window=sliding_window,
@@ -92,6 +129,8 @@ def tiny_config(
             query_pre_attn_scalar=hidden_size // num_attention_heads,
         )
     kwargs.update(overrides)
+    if kind == "t5":  # T5's own names for the shared sizes
+        kwargs = {_T5_NAMES.get(name, name): value for name, value in kwargs.items()}
     return config_class(**kwargs)
 
 
@@ -99,16 +138,17 @@ def tiny_model(
     kind: str,
     dtype: "torch.dtype | str | None" = None,
     device: "torch.device | str" = "cpu",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = "sdpa",
     *,
     seed: int = 0,
     config: Any = None,
     **config_overrides: Any,
 ):
-    """A randomly initialised tiny causal LM of ``kind``, in eval mode, on ``device``.
+    """A randomly initialised tiny model of ``kind``, in eval mode, on ``device``.
 
     ``dtype`` defaults to float32. ``config`` replaces :func:`tiny_config` (``config_overrides``
-    go to :func:`tiny_config` otherwise). See the module documentation about ``seed``.
+    go to :func:`tiny_config` otherwise). ``attn_implementation=None`` keeps the release's
+    default (5.13's T5 has no sdpa). See the module documentation about ``seed``.
     """
     import torch
     import transformers
@@ -120,8 +160,9 @@ def tiny_model(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     model_class = getattr(transformers, _CLASSES[kind][1])
-    # The attention implementation is set on the config: the one spelling every 5.x release reads.
-    config._attn_implementation = attn_implementation
+    if attn_implementation is not None:
+        # Set on the config: the one spelling every 5.x release reads.
+        config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = model_class(config)
     model.to(dtype=dtype or torch.float32)
@@ -131,6 +172,18 @@ def tiny_model(
     model.generation_config.do_sample = False
     model.generation_config.pad_token_id = PAD_TOKEN_ID
     return model
+
+
+def save_tiny_model(directory: Any, kind: str, **config_overrides: Any) -> str:
+    """Save :func:`tiny_model` of ``kind`` (float32, ``seed`` 0 unless given) with
+    ``save_pretrained`` into ``directory``, for loaders that need a folder (tensor parallelism);
+    returns the folder as a string. Call it before a process group exists: under an initialised
+    group ``save_pretrained`` writes on rank 0 only."""
+    import os
+
+    directory = os.fspath(directory)
+    tiny_model(kind, **config_overrides).save_pretrained(directory)
+    return directory
 
 
 def left_padded_batch(
@@ -157,6 +210,26 @@ def left_padded_batch(
         )
         attention_mask[row, width - length :] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def on_device(batch: "dict[str, Any]", device: Any) -> "dict[str, Any]":
+    """``batch`` with every value moved to ``device`` (a new dict)."""
+    return {name: value.to(device) for name, value in batch.items()}
+
+
+def greedy_ids(model: Any, inputs: "dict[str, Any]", max_new_tokens: int, **generate_kwargs: Any) -> "list[list[int]]":
+    """Greedy ``generate()`` without gradients or torch.compile, pad id :data:`PAD_TOKEN_ID`;
+    the sequences as lists of ids on the host. A static cache that 5.13-5.17 keep on the model
+    from an earlier call is dropped first, so every call starts clean."""
+    import torch
+
+    vars(model).pop("_cache", None)
+    kwargs: dict[str, Any] = dict(do_sample=False, disable_compile=True, pad_token_id=PAD_TOKEN_ID)
+    kwargs.update(generate_kwargs)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, **kwargs)
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    return sequences.cpu().tolist()
 
 
 def cache_argument_name(model: Any) -> str:

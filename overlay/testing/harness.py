@@ -1,0 +1,189 @@
+"""What the patch tests share: the patch under test on the installed release, and fresh processes.
+
+:class:`PatchUnderTest` answers, from the engine's own gate, whether the installed transformers
+carries a patch's bug (``affected``) or its upstream fix (``fixed_upstream``); it finds the
+installed release's own function behind any replacement (``stock``), applies the patch for a block
+(``applied``), and gives the exact error texts the patch declares (``error``), so a test asserts
+the very messages users report instead of a copy of them::
+
+    KEPT = PatchUnderTest("kept_static_cache")
+    with KEPT.applied(expect="applied"):
+        ...
+    assert KEPT.error("same dtype") in str(exc)
+
+:func:`run_json_worker` runs a script in a fresh interpreter (the fake device can be named once per
+process) and reads back the JSON it prints; :func:`heavy_imports` says which heavy packages a
+module drags in when imported alone.
+
+Importing this module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from ..patch import PATCH_MARKER, Patch
+
+__all__ = ["PatchUnderTest", "run_json_worker", "assert_generated", "heavy_imports"]
+
+# The accelerator a patch's error text names, e.g. "cuda:0" or "neuron:0": error(device=) swaps it.
+_DEVICE_IN_TEXT = re.compile(r"\b(?:cuda|neuron|xla|mps|hpu|xpu|npu):\d+")
+# A leading exception type, as some patches spell their errors ("RuntimeError: ...").
+_EXCEPTION_PREFIX = re.compile(r"^[A-Z]\w*(?:Error|Exception|Warning): ")
+
+
+@dataclass(frozen=True)
+class PatchUnderTest:
+    """The patch in ``overlay.patches.<module>`` (e.g. ``"device_move"``) on the installed release."""
+
+    module: str
+    patch: Patch = field(init=False)
+
+    def __post_init__(self) -> None:
+        patch = importlib.import_module(f"overlay.patches.{self.module}").PATCH
+        object.__setattr__(self, "patch", patch)
+
+    @property
+    def id(self) -> str:
+        return self.patch.id
+
+    @property
+    def patch_module(self):
+        """The patch file's module (``overlay.patches.<module>``)."""
+        return importlib.import_module(f"overlay.patches.{self.module}")
+
+    @property
+    def transformers(self):
+        """The installed transformers version (a ``packaging`` ``Version``), from its metadata."""
+        from importlib.metadata import version
+
+        from packaging.version import Version
+
+        return Version(version("transformers"))
+
+    @property
+    def gate(self) -> str:
+        """The engine's verdict from the version alone: ``"pending"`` (in range: the bug is
+        there), ``"fixed upstream"``, ``"out of range"``..."""
+        from .. import engine
+
+        return engine.gate(self.patch, str(self.transformers))[0]
+
+    @property
+    def affected(self) -> bool:
+        """The installed release is in the patch's ``affected`` range: stock carries the bug."""
+        from .. import engine
+
+        return self.gate == engine.PENDING
+
+    @property
+    def fixed_upstream(self) -> bool:
+        """The installed release ships the upstream fix (``fixed_in`` or later)."""
+        from .. import engine
+
+        return self.gate == engine.FIXED_UPSTREAM
+
+    def skip_module_unless_covered(self) -> None:
+        """At a test module's top: skip the whole module on releases before the patch's range
+        (a release neither affected nor fixed upstream)."""
+        import pytest
+
+        if not (self.affected or self.fixed_upstream):
+            pytest.skip(
+                f"{self.id} covers transformers {self.patch.affected}; found {self.transformers}",
+                allow_module_level=True,
+            )
+
+    def stock(self, target: int = 0) -> Any:
+        """The installed release's own function for ``patch.targets[target]``, even where the
+        overlay has replaced it in this process (imports the target's module)."""
+        spec = self.patch.targets[target]
+        owner: Any = importlib.import_module(spec.module)
+        *path, name = spec.qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        func = vars(owner)[name]
+        while getattr(func, PATCH_MARKER, None) is not None:
+            func = func.__wrapped__
+        return func
+
+    @contextlib.contextmanager
+    def applied(self, *also: str, expect: str | None = None, strict: bool | None = None) -> Iterator[dict]:
+        """Apply this patch (and the patch ids in ``also``) through the engine for a block,
+        gated on version and fingerprint as for users; yield ``{patch id: PatchStatus}`` for
+        them; revert what the block applied. ``expect``: assert each one is in that state."""
+        from .. import engine
+
+        ids = [self.id, *also]
+        with engine.applied(only=ids, strict=strict) as statuses:
+            mine = {s.id: s for s in statuses if s.id in ids}
+            if expect is not None:
+                assert {i: s.state for i, s in mine.items()} == {i: expect for i in ids}, statuses
+            yield mine
+
+    def error(self, containing: str = "", *, device: str | None = None) -> str:
+        """The one error text of the patch (``Patch.errors``) that contains ``containing``,
+        without a leading exception type; with ``device``, the accelerator it names (``cuda:0``,
+        ``neuron:0``) replaced by that device, as the same error reads there."""
+        found = [text for text in self.patch.errors if containing in text]
+        if len(found) != 1:
+            raise LookupError(f"{len(found)} error texts of {self.id} contain {containing!r}: {found}")
+        text = _EXCEPTION_PREFIX.sub("", found[0])
+        if device is not None:
+            text = _DEVICE_IN_TEXT.sub(str(device), text, count=1)
+        return text
+
+
+def _environment(extra: "dict[str, str] | None") -> dict:
+    # The overlay stays off unless the worker applies it; one thread per worker on shared CPUs.
+    env = dict(os.environ, ATTN_OVERLAY="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra or {})
+    return env
+
+
+def run_json_worker(
+    script: str,
+    args: Sequence[str] = (),
+    *,
+    marker: str,
+    timeout: float,
+    cwd: Any = None,
+    env: "dict[str, str] | None" = None,
+) -> Any:
+    """Run ``python script *args`` in a fresh interpreter (overlay off, one thread) and return
+    the JSON on its last stdout line that starts with ``marker``; raise ``AssertionError`` with
+    the output's tail when it exits non-zero or prints no such line."""
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True, text=True, timeout=timeout, env=_environment(env), cwd=cwd,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
+    if done.returncode != 0 or not lines:
+        raise AssertionError(
+            f"{os.path.basename(str(script))} {' '.join(args)} exited {done.returncode}\n"
+            f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-8000:]}"
+        )
+    return json.loads(lines[-1][len(marker):])
+
+
+def assert_generated(run: dict, ids: Any) -> None:
+    """A worker's run record (``{"ok", "ids"}`` or ``{"ok": False, "error"}``) finished and
+    generated exactly ``ids``."""
+    assert run["ok"], run.get("error")
+    assert run["ids"] == ids
+
+
+def heavy_imports(module: str, heavy: Sequence[str] = ("torch", "transformers")) -> list[str]:
+    """Which of ``heavy`` importing ``module`` alone loads, in a fresh interpreter."""
+    code = f"import sys, {module}\nprint(sorted(m for m in {tuple(heavy)!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
