@@ -8,8 +8,6 @@ needed: the guard only reads metadata).
 
 from __future__ import annotations
 
-import contextlib
-import importlib.metadata
 import os
 import re
 import subprocess
@@ -18,25 +16,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from packaging.version import Version
 
 import overlay
 from overlay import guard
+from overlay.testing import models
+from overlay.testing.harness import PatchUnderTest
 
-TF_VERSION = Version(importlib.metadata.version("transformers"))
-if TF_VERSION < Version("5.13.0"):
-    pytest.skip("attention-guard covers transformers 5.13.0 and later", allow_module_level=True)
+GUARD = PatchUnderTest("attention_guard")
+GUARD.skip_module_unless_covered()
 
-GUARD_ID = "attention-guard"
+GUARD_ID = GUARD.id
 REPO = Path(__file__).resolve().parents[1]
 
 
-@contextlib.contextmanager
 def guard_applied():
     """Only the guard (not the cache patch): what the attention entry alone does."""
-    with overlay.applied(only=[GUARD_ID]) as statuses:
-        assert [s.state for s in statuses if s.id == GUARD_ID] == ["applied"], statuses
-        yield
+    return GUARD.applied(expect="applied")
 
 
 @pytest.fixture(autouse=True)
@@ -241,15 +236,10 @@ def test_get_interface_wraps_registered_kernels_and_each_models_eager(implementa
 
 
 def _tiny_llama(attn, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=2,
+    # Llama's own default positions (2048); head_dim 8.
+    model = models.tiny_model(
+        "llama", dtype, attn_implementation=attn, hidden_size=32, intermediate_size=64, max_position_embeddings=2048
     )
-    config._attn_implementation = attn
-    model = LlamaForCausalLM(config).eval().to(dtype)
     model.generation_config.eos_token_id = None
     return model
 
@@ -271,9 +261,9 @@ def _prefix_then_generate(attn, cast_prefix_to=None):
     return out[:, -4:]
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_guard_in_a_model_strict_names_layer_and_tensors_instead_of_the_kernel_error(attn):
-    torch.set_num_threads(1)
     with guard_applied(), guard.using_mode("strict"):
         with pytest.raises(guard.AttentionInputError) as caught:
             _prefix_then_generate(attn)
@@ -283,11 +273,11 @@ def test_guard_in_a_model_strict_names_layer_and_tensors_instead_of_the_kernel_e
     assert "key: device=cpu, dtype=torch.float32, shape=(1, 2, 6, 8)" in message
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_guard_in_a_model_align_casts_at_the_entry(attn):
     # Without the cache patch, the guard alone still hands the kernel one dtype (for models that
     # dispatch through get_interface); tokens equal a prefix cast by hand.
-    torch.set_num_threads(1)
     with overlay.reverted():
         reference = _prefix_then_generate(attn, cast_prefix_to=torch.bfloat16)
     with guard_applied():

@@ -24,11 +24,9 @@ The example count keeps the module well under 30 s on a 2-core CI machine.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 
 import pytest
 import torch
-from packaging.version import Version
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -36,11 +34,14 @@ from hypothesis import strategies as st  # noqa: E402
 
 import overlay  # noqa: E402
 from overlay import guard  # noqa: E402
+from overlay.testing.harness import PatchUnderTest  # noqa: E402
 
-if Version(importlib.metadata.version("transformers")) < Version("5.13.0"):
-    pytest.skip("attention-guard covers transformers 5.13.0 and later", allow_module_level=True)
+GUARD = PatchUnderTest("attention_guard")
+GUARD.skip_module_unless_covered()
 
-GUARD_ID = "attention-guard"
+# The test body below is kept to the letter: hypothesis derives its examples (derandomize) from it.
+GUARD_ID = GUARD.id
+
 USER_KERNEL = "guard-property-user-matmul"
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -139,11 +140,13 @@ def same_error(a, b) -> bool:
     return type(a) is type(b) and str(a) == str(b)
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _user_kernel():
     from transformers.modeling_utils import AttentionInterface
 
-    torch.set_num_threads(1)
     AttentionInterface.register(USER_KERNEL, user_matmul_attention)
     yield
     AttentionInterface._global_mapping.pop(USER_KERNEL, None)

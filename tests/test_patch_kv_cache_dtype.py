@@ -10,54 +10,37 @@ StaticLayer allocates values in their own dtype) and fails before.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.metadata
 import re
 import warnings
 from collections import Counter
 
 import pytest
 import torch
-from packaging.version import Version
 
 import overlay
 from overlay import guard
+from overlay.testing import models
+from overlay.testing.harness import PatchUnderTest
 
-TF_VERSION = Version(importlib.metadata.version("transformers"))
-if TF_VERSION < Version("5.13.0"):
-    pytest.skip("kv-cache-dtype covers transformers 5.13.0 and later", allow_module_level=True)
+PATCH = PatchUnderTest("kv_cache_dtype")
+GUARD = PatchUnderTest("attention_guard")
+PATCH.skip_module_unless_covered()
 
-from transformers import (  # noqa: E402  (after the version gate)
-    DynamicCache,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    StaticCache,
-)
+from transformers import DynamicCache, StaticCache  # noqa: E402  (after the version gate)
 
-PATCH_ID = "kv-cache-dtype"
-GUARD_ID = "attention-guard"
-
-# The exact errors of stock transformers (what users paste into a search box).
-INDEX_COPY_ERROR = (
-    "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16"
-)
-SDPA_ERROR = (
-    "Expected query, key, and value to have the same dtype, but got query.dtype: c10::BFloat16 "
-    "key.dtype: float and value.dtype: float instead."
-)
-EAGER_ERROR = "expected scalar type BFloat16 but found Float"
-PREFIX_ERRORS = {"sdpa": SDPA_ERROR, "eager": EAGER_ERROR}
+# The exact errors of stock transformers (what users paste into a search box): the patch's own.
+INDEX_COPY_ERROR = PATCH.error("index_copy_")
+PREFIX_ERRORS = {"sdpa": PATCH.error("Expected query, key"), "eager": PATCH.error("expected scalar type")}
 CAST_WARNING = r"KV cache layer 0 \(Static(SlidingWindow)?Layer\) holds keys in torch.float32 but attention computes in torch.bfloat16"
 
 # Since 5.24.0 StaticLayer allocates values in the value dtype: plain autocast + static works.
-AUTOCAST_STATIC_WORKS_ON_STOCK = TF_VERSION >= Version("5.24.0")
+AUTOCAST_STATIC_WORKS_ON_STOCK = PATCH.transformers >= type(PATCH.transformers)("5.24.0")
 
 # The scenarios' expected casts are reported once per test (see the warning tests); keep them out of the summary.
-pytestmark = pytest.mark.filterwarnings("ignore::overlay.guard.KVCacheDtypeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::overlay.guard.KVCacheDtypeWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 KINDS = ("llama", "qwen3", "gemma3")
 ATTNS = ("sdpa", "eager")
@@ -68,25 +51,12 @@ MAX_CACHE_LEN = 16
 # -- applying the overlay --------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def overlay_on(*ids: str):
-    """Apply these patches through the engine for a block (gated on version and fingerprint)."""
-    ids = ids or (PATCH_ID, GUARD_ID)
-    with overlay.applied(only=list(ids)) as statuses:
-        states = {s.id: s.state for s in statuses if s.id in ids}
-        assert states == {i: "applied" for i in ids}, statuses
-        yield
+def overlay_on(*also: str):
+    """The patch and the attention guard (or the patch with ``also``), applied for a block."""
+    return PATCH.applied(*(also if also else (GUARD.id,)), expect="applied")
 
 
 stock = overlay.reverted  # the control: stock transformers (a no-op when nothing is applied)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(autouse=True)
@@ -99,28 +69,18 @@ def _fresh_warnings_and_mode():
 # -- tiny models and inputs ------------------------------------------------------------------
 
 _MODELS: dict = {}
+# Sizes the scenarios rely on: head_dim 8, 64 positions; Gemma3 with a sliding layer (window 4 <
+# prompt 6) and a full one, so both static layer kinds run, with Gemma3's own tying and scaling.
+SIZES = dict(hidden_size=32, intermediate_size=64, max_position_embeddings=64, sliding_window=4)
+GEMMA3_AS_RELEASED = dict(tie_word_embeddings=True, query_pre_attn_scalar=256)
 
 
 def tiny_model(kind: str, attn: str, dtype: torch.dtype = torch.bfloat16):
     """Tiny random model; the same weights for every dtype (cast from one float32 build)."""
     key = (kind, attn, dtype)
     if key not in _MODELS:
-        torch.manual_seed(0)
-        common = dict(
-            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2,
-        )
-        if kind == "llama":
-            config, cls = LlamaConfig(**common), LlamaForCausalLM
-        elif kind == "qwen3":
-            config, cls = Qwen3Config(**common), Qwen3ForCausalLM
-        else:
-            # A sliding layer (window 4 < prompt 6) and a full one: both static layer kinds run.
-            config = Gemma3TextConfig(**common, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
-            cls = Gemma3ForCausalLM
-        config._attn_implementation = attn
-        model = cls(config).eval().to(dtype)
+        extra = GEMMA3_AS_RELEASED if kind == "gemma3" else {}
+        model = models.tiny_model(kind, dtype, attn_implementation=attn, **SIZES, **extra)
         model.generation_config.eos_token_id = None  # always NEW_TOKENS tokens
         _MODELS[key] = model
     return _MODELS[key]
@@ -416,18 +376,17 @@ def _flash_attention_2_missing() -> str | None:
 @pytest.mark.gpu
 @pytest.mark.skipif(_flash_attention_2_missing() is not None, reason=str(_flash_attention_2_missing()))
 def test_flash_attention_2_with_fp32_prefilled_cache():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, pad_token_id=0, eos_token_id=2,
+    # head_dim 64 (flash-attn's smallest), Llama's own default positions (2048).
+    config = models.tiny_config(
+        "llama", hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=2048,
     )
-    config._attn_implementation = "flash_attention_2"
-    model = LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
+    model = models.tiny_model("llama", torch.bfloat16, "cuda", attn_implementation="flash_attention_2", config=config)
     model.generation_config.eos_token_id = None
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]], device="cuda")
 
     def prefix(dtype):
-        twin = LlamaForCausalLM(config).eval().to("cuda", torch.float32)
+        twin = models.tiny_model("llama", torch.float32, "cuda", attn_implementation="flash_attention_2", config=config)
         twin.load_state_dict(model.state_dict())
         cache = DynamicCache(config=config)
         with torch.no_grad():

@@ -21,13 +21,11 @@ Deterministic (``derandomize``, no example database) and sized to a few seconds;
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import os
 import warnings
 
 import pytest
 import torch
-from packaging.version import Version
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import example, given, settings  # noqa: E402
@@ -35,10 +33,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 import overlay  # noqa: E402
 from overlay import guard  # noqa: E402
+from overlay.testing.harness import PatchUnderTest  # noqa: E402
 
-TF_VERSION = Version(importlib.metadata.version("transformers"))
-if TF_VERSION < Version("5.13.0"):
-    pytest.skip("kv-cache-dtype covers transformers 5.13.0 and later", allow_module_level=True)
+PATCH = PatchUnderTest("kv_cache_dtype")
+PATCH.skip_module_unless_covered()
 
 from transformers.cache_utils import (  # noqa: E402
     Cache,
@@ -48,7 +46,6 @@ from transformers.cache_utils import (  # noqa: E402
     StaticSlidingWindowLayer,
 )
 
-PATCH_ID = "kv-cache-dtype"
 EXAMPLES = int(os.environ.get("ATTN_OVERLAY_PROPERTY_EXAMPLES", "120"))
 
 BATCH, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_LEN, WINDOW = 1, 2, 2, 8, 12, 4
@@ -61,14 +58,13 @@ LAYERS = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _patch_applied():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with overlay.applied(only=[PATCH_ID]) as statuses:
-        assert {s.id: s.state for s in statuses if s.id == PATCH_ID} == {PATCH_ID: "applied"}
+    with PATCH.applied(expect="applied"):
         yield
-    torch.set_num_threads(previous)
 
 
 def _states(generator, length, dtype):

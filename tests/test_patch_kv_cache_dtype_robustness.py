@@ -19,54 +19,42 @@ tiny random models:
 from __future__ import annotations
 
 import copy
-import importlib.metadata
 import re
 import sys
 import warnings
 
 import pytest
 import torch
-from packaging.version import Version
 
 import overlay
 from overlay import guard
+from overlay.testing import models
+from overlay.testing.harness import PatchUnderTest
 
-TF_VERSION = Version(importlib.metadata.version("transformers"))
-if TF_VERSION < Version("5.13.0"):
-    pytest.skip("kv-cache-dtype covers transformers 5.13.0 and later", allow_module_level=True)
+PATCH = PatchUnderTest("kv_cache_dtype")
+PATCH.skip_module_unless_covered()
 
 from transformers import (  # noqa: E402  (after the version gate)
     DynamicCache,
     EncoderDecoderCache,
-    LlamaConfig,
-    LlamaForCausalLM,
     MvpConfig,
     MvpForConditionalGeneration,
-    Qwen3Config,
-    Qwen3ForCausalLM,
     StaticCache,
-    T5Config,
-    T5ForConditionalGeneration,
 )
 
-PATCH_ID = "kv-cache-dtype"
-INDEX_COPY_ERROR = "index_copy_(): self and source expected to have the same dtype"
-EAGER_ERROR = "expected scalar type BFloat16 but found Float"
+# The patch's own error texts; index_copy_'s without its dtypes (both directions occur here).
+INDEX_COPY_ERROR = PATCH.error("index_copy_").split(", but got")[0]
+EAGER_ERROR = PATCH.error("expected scalar type")
 NEW_TOKENS = 5
 
 # 5.13.0-5.23.x: DynamicLayer.lazy_initialization allocates values in the keys' dtype.
-DYNAMIC_VALUES_IN_KEY_DTYPE = TF_VERSION < Version("5.24.0")
+DYNAMIC_VALUES_IN_KEY_DTYPE = PATCH.transformers < type(PATCH.transformers)("5.24.0")
 
 # Expected casts are asserted where they matter (warnings recorded); keep the rest out of the summary.
-pytestmark = pytest.mark.filterwarnings("ignore::overlay.guard.KVCacheDtypeWarning")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::overlay.guard.KVCacheDtypeWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -76,11 +64,7 @@ def _fresh_warnings_and_mode():
         yield
 
 
-def patch_on(*ids: str):
-    ids = ids or (PATCH_ID,)
-    return overlay.applied(only=list(ids))
-
-
+patch_on = PATCH.applied
 stock = overlay.reverted
 
 
@@ -96,15 +80,9 @@ _MODELS: dict = {}
 def tiny_lm(kind: str, attn: str, dtype: torch.dtype):
     key = (kind, attn, dtype)
     if key not in _MODELS:
-        torch.manual_seed(0)
-        common = dict(
-            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2,
+        model = models.tiny_model(
+            kind, dtype, attn_implementation=attn, hidden_size=32, intermediate_size=64, max_position_embeddings=64
         )
-        config, cls = (LlamaConfig(**common), LlamaForCausalLM) if kind == "llama" else (Qwen3Config(**common), Qwen3ForCausalLM)
-        config._attn_implementation = attn
-        model = cls(config).eval().to(dtype)
         model.generation_config.eos_token_id = None
         _MODELS[key] = model
     return _MODELS[key]
@@ -223,11 +201,12 @@ def tiny_seq2seq(kind: str, dtype: torch.dtype):
     if key not in _SEQ2SEQ:
         torch.manual_seed(0)
         if kind == "t5":
-            config = T5Config(
-                vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+            model = models.tiny_model(
+                "t5", dtype, attn_implementation="eager", hidden_size=32, intermediate_size=64, eos_token_id=1
             )
-            cls = T5ForConditionalGeneration
+            model.generation_config.eos_token_id = None
+            _SEQ2SEQ[key] = model
+            return model
         else:  # MVP: Bart-like, attention written inline (torch.bmm) in every 5.x release
             config = MvpConfig(
                 vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
