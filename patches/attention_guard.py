@@ -150,7 +150,12 @@ def _wrapper_for_kernel(function, attn_implementation):
             retry = _retry_arguments(error, attn_implementation, args, kwargs)
             if retry is None:
                 raise
-        return function(*retry[0], **retry[1])
+            try:
+                return function(*retry[0], **retry[1])
+            except KERNEL_ERRORS:
+                # The cast did not make the inputs acceptable (e.g. a layout the kernel rejects
+                # for another reason): fail with the error stock gives, not a new one.
+                raise error from None
 
     return guarded_attention
 

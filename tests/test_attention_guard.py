@@ -512,3 +512,32 @@ def test_compiled_attention_call_checks_at_trace_time_without_graph_break_or_rec
     assert all(torch.equal(a, b) for a, b in zip(outs, stock_outs))
     assert cast_frames == 1 and cast_ops == stock_ops + 2  # key and value cast inside the graph
     assert all(torch.equal(a, b) for a, b in zip(cast_outs, stock_outs))
+
+
+def test_a_kernel_that_still_fails_after_the_cast_fails_with_stocks_error():
+    # Found by the property test: packed 3-D q/k in float32 with a bfloat16 value. SDPA rejects
+    # the dtypes; after the guard's cast it rejects the layout instead. The user must see the
+    # error stock gives, not the second one.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    class Module:
+        is_causal, training, layer_idx, num_key_value_groups = True, False, 0, 2
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 2, 4, generator=generator)  # 3-D, as the property test drew them
+    key = torch.randn(3, 1, 4, generator=generator)
+    value = torch.randn(3, 1, 4, generator=generator).to(torch.bfloat16)
+
+    def call():
+        kernel = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", sdpa_attention_forward)
+        return kernel(Module(), query, key, value, None, dropout=0.0, scaling=0.5)
+
+    with overlay.reverted():
+        with pytest.raises(Exception) as stock:
+            call()
+    with GUARD.applied(), guard.using_mode("align"):
+        with pytest.raises(Exception) as patched:
+            call()
+    assert type(patched.value) is type(stock.value)
+    assert str(patched.value) == str(stock.value)
