@@ -86,17 +86,11 @@ def tiny_model(kind: str, attn: str, dtype: torch.dtype = torch.bfloat16):
     return _MODELS[key]
 
 
-# Left-padded batch of two, made by hand.
-INPUT_IDS = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
-ATTENTION_MASK = (INPUT_IDS != 0).long()
+INPUT_IDS, ATTENTION_MASK = models.hand_padded_batch()
 
 
 def generate(model, **kwargs):
-    out = model.generate(
-        input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, max_new_tokens=NEW_TOKENS, do_sample=False,
-        disable_compile=True, return_dict_in_generate=True, output_logits=True, **kwargs,
-    )
-    return out.sequences[:, -NEW_TOKENS:], torch.stack(out.logits)
+    return models.tokens_and_logits(model, INPUT_IDS, ATTENTION_MASK, NEW_TOKENS, **kwargs)
 
 
 def static_cache(model, dtype):

@@ -44,6 +44,8 @@ __all__ = [
     "left_padded_batch",
     "on_device",
     "greedy_ids",
+    "hand_padded_batch",
+    "tokens_and_logits",
     "cache_argument_name",
 ]
 
@@ -230,6 +232,27 @@ def greedy_ids(model: Any, inputs: "dict[str, Any]", max_new_tokens: int, **gene
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, **kwargs)
     sequences = out.sequences if hasattr(out, "sequences") else out
     return sequences.cpu().tolist()
+
+
+def hand_padded_batch() -> "tuple[torch.Tensor, torch.Tensor]":
+    """``(input_ids, attention_mask)``: two rows of six, the first left-padded by two, written out
+    by hand (the KV-cache tests' batch; its ids stay valid for any vocabulary of 15 or more)."""
+    import torch
+
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    return input_ids, (input_ids != PAD_TOKEN_ID).long()
+
+
+def tokens_and_logits(model: Any, input_ids: Any, attention_mask: Any, new_tokens: int, **generate_kwargs: Any):
+    """Greedy ``generate()`` (no torch.compile): the ``new_tokens`` generated ids and the logits of
+    every step, stacked, for comparisons that must hold to the bit."""
+    import torch
+
+    out = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens, do_sample=False,
+        disable_compile=True, return_dict_in_generate=True, output_logits=True, **generate_kwargs,
+    )
+    return out.sequences[:, -new_tokens:], torch.stack(out.logits)
 
 
 def cache_argument_name(model: Any) -> str:
