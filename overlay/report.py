@@ -1,10 +1,10 @@
 """What the overlay actually fixed in this process: per patch, how many calls it changed something.
 
-Patches call :func:`record` on their slow path only (tensors moved, dtypes cast, a head count
-corrected, a cache rebuilt): the path where the overlay already does real work, so counting costs
-nothing measurable, and the hot path (nothing to fix) never reaches this module. Never call it
-inside a compiled region (check ``torch.compiler.is_compiling()`` first): the lock would break
-the graph.
+Patches call :func:`record_outside_compile` (or :func:`record`, when they already know they are
+not compiling) on their slow path only (tensors moved, dtypes cast, a head count corrected, a
+cache rebuilt): the path where the overlay already does real work, so counting costs nothing
+measurable, and the hot path (nothing to fix) never reaches this module. :func:`record` must
+never run inside a compiled region: the lock would break the graph.
 
 ``overlay.fired()`` returns the counts; ``ATTN_OVERLAY_REPORT=1`` prints them at exit on stderr,
 one line per patch that fired, with what it did and the upgrade advice from the patch metadata.
@@ -28,6 +28,14 @@ def record(patch_id: str, action: str) -> None:
     with _lock:
         _calls[patch_id] += 1
         _actions.setdefault(patch_id, Counter())[action] += 1
+
+
+def record_outside_compile(patch_id: str, action: str) -> None:
+    """:func:`record`, skipped while torch.compile traces (the eager run counts the same fix)."""
+    import torch  # already imported: a patch fired on torch tensors
+
+    if not torch.compiler.is_compiling():
+        record(patch_id, action)
 
 
 def fired() -> dict[str, int]:

@@ -47,6 +47,7 @@ and get the same treatment; what they add to the dict afterwards is theirs, as u
 
 from __future__ import annotations
 
+from overlay import report
 from overlay.patch import Patch, Target, wraps
 
 PATCH_ID = "device-move-nested"
@@ -101,19 +102,11 @@ def _replace_prepare_inputs_for_generation(original):
             moved = move_tree(model_inputs, prepared_device)
             if moved is not model_inputs:  # something nested was off the device (move_tree
                 model_inputs = moved  # hands back the very same dict when nothing was)
-                _record(prepared_device)
+                report.record_outside_compile(PATCH_ID, f"moved nested tensors to {prepared_device}")
         return model_inputs
 
     return prepare_inputs_for_generation
 
-
-def _record(device) -> None:
-    import torch
-
-    from overlay import report
-
-    if not torch.compiler.is_compiling():
-        report.record(PATCH_ID, f"moved nested tensors to {device}")
 
 
 PATCH = Patch(

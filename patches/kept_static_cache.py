@@ -36,6 +36,7 @@ call; nothing per decoding step.
 
 from __future__ import annotations
 
+from overlay import report
 from overlay.patch import Patch, Target, wraps
 
 PATCH_ID = "kept-static-cache"
@@ -77,7 +78,7 @@ def make_replacement(original):
             ):
                 # Slow path: the release's own code builds a fresh cache, as on a first call.
                 del self.__dict__["_cache"]
-                _record(now)
+                report.record_outside_compile(PATCH_ID, f"rebuilt a kept static cache for {now[0]} / {now[1]}")
         cache = original(self, *args, **kwargs)
         try:
             setattr(cache, STAMP, now)
@@ -87,14 +88,6 @@ def make_replacement(original):
 
     return _prepare_static_cache
 
-
-def _record(now) -> None:
-    import torch
-
-    from overlay import report
-
-    if not torch.compiler.is_compiling():
-        report.record(PATCH_ID, f"rebuilt a kept static cache for {now[0]} / {now[1]}")
 
 
 PATCH = Patch(

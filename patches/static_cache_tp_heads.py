@@ -65,6 +65,7 @@ import logging
 import threading
 from typing import Any, Callable, Mapping
 
+from overlay import report
 from overlay.patch import Patch, Target, wraps
 
 PATCH_ID = "static-cache-tp-heads"
@@ -185,13 +186,13 @@ def make_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
                 shape = original(_AsIfTpSize(self, None))
                 if recorded > 1 and shape is not None:
                     # Slow path: the original would have divided heads that every rank holds.
-                    _record(f"kept {shape[0]} KV heads per rank (plan leaves k_proj unsharded)")
+                    report.record_outside_compile(PATCH_ID, f"kept {shape[0]} KV heads per rank (plan leaves k_proj unsharded)")
                 return shape
             if sharding == "sharded" and recorded <= 1:
                 # 5.16.x: sharded by head, but the release never recorded tp_size, so its own code
                 # would allocate every head. Divide by the size the model was sharded with.
                 shape = original(_AsIfTpSize(self, tp_size))
-                _record(f"divided KV heads by the tensor-parallel size {tp_size} (k_proj sharded colwise)")
+                report.record_outside_compile(PATCH_ID, f"divided KV heads by the tensor-parallel size {tp_size} (k_proj sharded colwise)")
                 return shape
         # Sharded by head with tp_size recorded: the original divides (each layer's count; None
         # when uneven), which is right. Unknown style: the original's behaviour, unguessed.
@@ -199,14 +200,6 @@ def make_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
 
     return _get_static_cache_init_shape
 
-
-def _record(action: str) -> None:
-    import torch
-
-    from overlay import report
-
-    if not torch.compiler.is_compiling():
-        report.record(PATCH_ID, action)
 
 
 PATCH = Patch(
