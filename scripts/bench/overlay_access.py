@@ -38,14 +38,20 @@ def ensure_overlay_importable(root: str | None = None) -> str:
         return f"installed ({overlay.__file__})"
     except ModuleNotFoundError:
         pass
+    _map_patches(overlay, REPO)
+    return f"source checkout ({REPO}; patches/ mapped to overlay.patches)"
+
+
+def _map_patches(overlay, root: Path) -> None:
+    """Load ``root/patches`` as ``overlay.patches``: checkouts older than the source tree's own
+    mapping (``overlay/__init__.py``) need it, e.g. the "before" checkout of a comparison."""
     spec = importlib.util.spec_from_file_location(
-        "overlay.patches", REPO / "patches" / "__init__.py", submodule_search_locations=[str(REPO / "patches")]
+        "overlay.patches", root / "patches" / "__init__.py", submodule_search_locations=[str(root / "patches")]
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules["overlay.patches"] = module
     spec.loader.exec_module(module)
     overlay.patches = module
-    return f"source checkout ({REPO}; patches/ mapped to overlay.patches)"
 
 
 def _overlay_from(root: Path) -> str:
@@ -57,13 +63,7 @@ def _overlay_from(root: Path) -> str:
     found = Path(overlay.__file__).resolve()
     if root not in found.parents:
         raise RuntimeError(f"--overlay-root {root}: import overlay resolved to {found}")
-    spec = importlib.util.spec_from_file_location(
-        "overlay.patches", root / "patches" / "__init__.py", submodule_search_locations=[str(root / "patches")]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["overlay.patches"] = module
-    spec.loader.exec_module(module)
-    overlay.patches = module
+    _map_patches(overlay, root)
     return f"--overlay-root checkout ({found.parent}; patches/ mapped to overlay.patches)"
 
 
