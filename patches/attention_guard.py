@@ -56,18 +56,22 @@ attention inline (XLM, ProphetNet, LED, MPT, ...). There the cache side (``kv-ca
 aligns dtypes; only the named error for device/shape problems is missing.
 
 Cost when nothing needs fixing (transformers' kernels, ``align``): per attention call, the
-original ``get_interface`` plus one mode read, one dict lookup keyed by the kernel, and one
-wrapper frame (``*args, **kwargs`` passed through); no tensor is read, copied or checked.
+registry lookup (done by the replacement itself for ``AttentionInterface``, with fewer calls than
+the original makes, see :func:`_replace_get_interface`), one mode read, one call of
+:func:`_compiling`, one dict lookup keyed by the kernel, and one wrapper frame (``*args,
+**kwargs`` passed through); no tensor is read, copied or checked. Figure 7 of ``scripts/bench``
+times it against stock, figure 8 counts its instructions.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Mapping
 from types import FunctionType
 
 from overlay import guard as _guard
-from overlay.patch import Patch, Target, wraps
+from overlay.patch import Patch, Target, fingerprint, wraps
 
 MODULE = "transformers.modeling_utils"
 PATCH_ID = "attention-guard"
@@ -189,18 +193,93 @@ def _slow_path(function, attn_implementation):
     return _checked_wrapper(function, attn_implementation)
 
 
+#: ``GeneralInterface.__getitem__`` (the instance's own mapping first, then the class-wide one) as
+#: every release from 5.13.0 to 5.24.0 ships it. Only where it is this code (and ``get`` and
+#: ``in`` are ``Mapping``'s, which go through it) does the replacement read the two dicts itself
+#: instead of calling the original; anything else gets the original, always.
+LOOKUP_FINGERPRINTS = {
+    "5e2a67a46b33a85220a6eafd94e158c664316fabaf37fd93e7f9839ac7a563ef": "5.13.0-5.24.0",
+}
+
+#: Which release's ``get_interface`` the replacement mirrors: 5.19.0 added the ``paged|`` prefix
+#: handling, where a name ``paged|X`` (but ``paged|eager``) means ``X``.
+STRIPS_PAGED_PREFIX = {
+    "a9d96a2a90be43b1c335d52304ae8e3efb2ab6c8dfce0251df7c840d0215fc85": False,
+    "5c12a08a6f62f3b6695d5c2bf2d2f1fe40fb26475c9ceb03fa21841fe3ababdc": True,
+}
+
+_MISSING = object()
+
+
+def _lookup_class(original):
+    """The class whose instances the replacement may look kernels up in directly, or None.
+
+    That is ``AttentionInterface`` itself (not a subclass: one could override the lookup), when
+    its lookup is the known ``GeneralInterface.__getitem__`` reached through ``Mapping.get`` and
+    ``Mapping.__contains__``. Reads the source of one method already loaded; imports nothing.
+    """
+    interface = original.__globals__.get("AttentionInterface")
+    getitem = getattr(interface, "__getitem__", None)
+    if interface is None or getattr(interface, "get", None) is not Mapping.get:
+        return None
+    if getattr(interface, "__contains__", None) is not Mapping.__contains__:
+        return None
+    try:
+        known = fingerprint(getitem) in LOOKUP_FINGERPRINTS
+    except (OSError, TypeError, AttributeError):  # no source to read: not recognised
+        known = False
+    return interface if known else None
+
+
 def _replace_get_interface(original):
+    """The registry lookup, then the kernel behind the guard (see the module docstring).
+
+    Cost matters here (once per layer and decoding step): for ``AttentionInterface`` instances
+    with the known lookup (:func:`_lookup_class`) the replacement does what the original does
+    with two dict reads instead of its five Python calls (``in self``, ``super().get``, each
+    through ``__getitem__``), which pays for most of the wrapper frame around the kernel. Every
+    case where the original does more than return an entry (``None``, an unknown name, which
+    raises ``KeyError``, a ``paged|`` name from 5.19.0 on) still goes to the original, as does
+    every subclass and every mode but ``align`` outside ``torch.compile``.
+    """
     _register_compile_substitute()
     ALIGN, OFF = _guard.ALIGN, _guard.OFF
+    lookup_class = _lookup_class(original)
+    try:
+        strips_paged_prefix = STRIPS_PAGED_PREFIX.get(fingerprint(original), True)
+    except (OSError, TypeError):
+        strips_paged_prefix = True
 
     @wraps(original)
     def get_interface(self, attn_implementation, default):
+        if type(self) is lookup_class and _guard._mode == ALIGN and not _compiling():
+            # What the original returns, read directly (same order: the instance's mapping, then
+            # the class-wide one; "eager" falls back to ``default``); subscripts, not ``.get``
+            # calls: a miss raises, and every miss goes to the original below.
+            try:
+                local = self._local_mapping
+                if local and attn_implementation in local:
+                    function = local[attn_implementation]
+                elif attn_implementation == "eager":
+                    function = self._global_mapping.get("eager", default)
+                else:
+                    function = self._global_mapping[attn_implementation]
+                    if strips_paged_prefix and "|" in attn_implementation:
+                        function = _MISSING  # "paged|X" means X from 5.19.0 on
+            except Exception:  # unknown (KeyError), unhashable or odd names: the original decides
+                function = _MISSING
+            if function is _MISSING:
+                function = original(self, attn_implementation, default)
+            try:
+                return _kernel_wrappers[function]
+            except (KeyError, TypeError):  # first seen, not a kernel of transformers', unhashable
+                return _slow_path(function, attn_implementation)
         function = original(self, attn_implementation, default)
         mode = _guard._mode
         if mode == ALIGN and not _compiling():
             try:
                 wrapper = _kernel_wrappers.get(function)
-            except Exception:  # not hashable (a @dataclass with __call__, __eq__ without __hash__)
+            except Exception:
                 wrapper = None
             return _slow_path(function, attn_implementation) if wrapper is None else wrapper
         if mode == OFF or function is None:

@@ -321,6 +321,106 @@ def test_transformers_kernels_are_not_checked_when_nothing_needs_fixing(monkeypa
     assert torch.equal(out, expected)
 
 
+def _user_kernel(module, query, key, value, attention_mask, **kwargs):
+    return query, None
+
+
+def _user_paged_kernel(module, query, key, value, attention_mask, **kwargs):
+    return query, None
+
+
+def _lookup_outcome(interface, name):
+    """What ``get_interface(name, _dummy_eager)`` gives: the function behind the guard's wrapper
+    (a registered kernel can be a wrapper itself: only the guard's is taken off), or the
+    exception's type and text."""
+    try:
+        function = interface.get_interface(name, _dummy_eager)
+    except Exception as error:  # noqa: BLE001 - the outcome is what is compared
+        return type(error), str(error)
+    if getattr(function, "__code__", None) is not None and function.__code__.co_name == "guarded_attention":
+        return function.__wrapped__
+    return function
+
+
+def test_get_interface_looks_up_exactly_what_stock_looks_up():
+    # issue 12: in align the replacement reads the registry's two dicts itself instead of calling
+    # stock's get_interface (five Python calls); every name must give what stock gives: the
+    # registered kernels, "eager" -> the model's default, an instance's own override, None (stock
+    # warns and gives the default), an unknown name (stock's KeyError), the paged names (5.19.0
+    # strips "paged|" except for "paged|eager"), a name registered by the user.
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    local = AttentionInterface()
+    local["sdpa"] = _user_kernel  # an instance's own override wins over the class-wide entry
+    names = [
+        "sdpa", "eager", "flash_attention_2", "flex_attention", None, "no_such_kernel",
+        "paged|eager", "paged|sdpa", "paged|no_such_kernel", "attn_overlay_test_kernel",
+        "paged|attn_overlay_test_kernel", ("not", "a", "str"), ["x"],
+    ]
+    AttentionInterface.register("attn_overlay_test_kernel", _user_kernel)
+    # registered under both names: up to 5.18.0 the paged name gives its own entry, from 5.19.0 the other
+    AttentionInterface.register("paged|attn_overlay_test_kernel", _user_paged_kernel)
+    try:
+        for interface in (ALL_ATTENTION_FUNCTIONS, local):
+            with overlay.reverted():
+                expected = {repr(name): _lookup_outcome(interface, name) for name in names}
+            with guard_applied():
+                got = {repr(name): _lookup_outcome(interface, name) for name in names}
+            assert got == expected
+        assert expected["'no_such_kernel'"][0] is KeyError
+    finally:
+        AttentionInterface._global_mapping.pop("attn_overlay_test_kernel", None)
+        AttentionInterface._global_mapping.pop("paged|attn_overlay_test_kernel", None)
+
+
+def test_get_interface_reads_the_registry_directly_only_where_stock_would_read_it(monkeypatch):
+    # The direct lookup is in use for AttentionInterface itself on every covered release (else the
+    # test above would pass without it); a subclass with its own lookup always gets stock's.
+    from transformers.modeling_utils import AttentionInterface
+    from transformers.utils.generic import GeneralInterface
+
+    assert GUARD.patch_module._lookup_class(GUARD.stock()) is AttentionInterface
+
+    class RenamingInterface(AttentionInterface):
+        def __getitem__(self, key):
+            return super().__getitem__("sdpa" if key == "fast" else key)
+
+    renaming = RenamingInterface()
+    with guard_applied():
+        # counted from here: applied before, the patch would not recognise the counting lookup
+        calls = []
+        original_getitem = GeneralInterface.__getitem__
+        monkeypatch.setattr(
+            GeneralInterface, "__getitem__", lambda self, key: calls.append(key) or original_getitem(self, key)
+        )
+        assert _lookup_outcome(AttentionInterface(), "sdpa") is AttentionInterface._global_mapping["sdpa"]
+        assert calls == []  # the direct lookup
+        assert _lookup_outcome(renaming, "fast") is AttentionInterface._global_mapping["sdpa"]
+        assert calls == ["sdpa", "sdpa"]  # stock's: `in self`, then `get`, each through the subclass
+
+
+def test_get_interface_lookup_of_unknown_code_is_left_to_stock():
+    # Only the known GeneralInterface.__getitem__ (by fingerprint), reached through Mapping's get
+    # and __contains__, is read directly; any other lookup keeps stock's get_interface in charge.
+    from transformers.modeling_utils import AttentionInterface
+
+    def get_interface(self, attn_implementation, default):  # stands for a release's original
+        return default
+
+    class OwnLookup(AttentionInterface):
+        def __getitem__(self, key):
+            return self._global_mapping[key]
+
+    class OwnGet(AttentionInterface):
+        def get(self, key, default=None):
+            return default
+
+    lookup_class = GUARD.patch_module._lookup_class
+    for interface, expected in ((AttentionInterface, AttentionInterface), (OwnLookup, None), (OwnGet, None)):
+        stand_in = type(get_interface)(get_interface.__code__, {"AttentionInterface": interface})
+        assert lookup_class(stand_in) is expected
+
+
 def test_kernel_failure_on_mismatched_devices_raises_the_named_error_chained_to_the_kernels():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
