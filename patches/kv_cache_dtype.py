@@ -137,16 +137,17 @@ def _replace_cache_update(original):
         # appended layer, offloading, another dtype, an odd object) goes to ``_slow_update``,
         # which calls the original. Only the checks are inside ``try`` (free in CPython 3.11+):
         # an error raised by the layer's own update must reach the caller, never run it twice.
+        # Indexing, not ``len()``: a ``layer_idx`` past the end (IndexError) is the slow path's,
+        # where stock appends layers or raises its own error; a negative one indexes from the end,
+        # as in stock (whose ``while`` loop appends nothing for it).
         try:
-            layers = self.layers
             fast = (
-                layer_idx < len(layers)
-                and not self.offloading
-                and (keys := (layer := layers[layer_idx]).keys) is not None
+                not self.offloading
+                and (keys := (layer := self.layers[layer_idx]).keys) is not None
                 and keys.dtype is key_states.dtype
                 and layer.values.dtype is value_states.dtype
             )
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, IndexError):
             fast = False
         if fast:
             return layer.update(key_states, value_states, *args, **kwargs)
