@@ -22,6 +22,12 @@ layers, otherwise the same), the extra per layer (slope) and per step whatever t
 (intercept, e.g. generate's input preparation). The width stays small: the overlay's cost is
 Python per call, independent of the width, and a wide model's matmuls take minutes under valgrind
 (figure 4 times the hidden-512 model instead).
+Per call, too (the deterministic companion of figure 7, on figure 7's releases: one nox lane
+each, ``--lanes``): the same three statements figure 7 times (``StaticCache.update``,
+``DynamicCache.update``, ``get_interface`` + the SDPA call, built by
+:func:`scripts.bench.percall.call_statements`), ``calls`` times in a loop per counted region,
+overlay applied and reverted, in each release's own interpreter: extra instructions per call and
+their sums per layer and step.
 The garbage collector is off in the counted regions (collected just before each). Counts are near-deterministic: rounds repeat the measurement to show it.
 Information only (the goals are figure 4's and figure 7's), and slow: importing torch under
 valgrind takes one to a few minutes, so ``--smoke`` does a dry run of the worker without valgrind
@@ -38,7 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import FIGURES, common
+from . import FIGURES, common, percall
 from .common import NOT_RUN, OK, Case
 
 FIGURE = 8
@@ -60,8 +66,8 @@ SETUPS = {
 
 def settings(smoke: bool) -> dict[str, Any]:
     if smoke:
-        return {"rounds": 1, "short_tokens": 1, "long_tokens": 2, "setups": ["tiny-static"]}
-    return {"rounds": 2, "short_tokens": 8, "long_tokens": 16, "setups": list(SETUPS)}
+        return {"rounds": 1, "short_tokens": 1, "long_tokens": 2, "setups": ["tiny-static"], "calls": 5}
+    return {"rounds": 2, "short_tokens": 8, "long_tokens": 16, "setups": list(SETUPS), "calls": 200}
 
 
 def build_marker(folder: Path) -> tuple[Path | None, str]:
@@ -108,29 +114,73 @@ def run(smoke: bool, options: dict[str, Any]) -> common.Figure:
             figure.status, figure.reason = NOT_RUN, why or "valgrind is not installed"
             return figure
         payload = {**payload, "marker": str(library)}
+        lanes = percall.lane_pythons(options.get("lanes"), smoke)
         if smoke:
-            # Dry run without valgrind: the client requests are no-ops, the code path is checked.
+            # Dry run without valgrind: the client requests are no-ops, the code paths are checked.
             result = common.run_worker("callgrind", payload, timeout=300)
             figure.status = NOT_RUN
             figure.reason = ("smoke: dry run without valgrind (importing torch under callgrind takes minutes); "
                              "run without --smoke to count")
             figure.details["dry_run_regions"] = result["details"]["regions"]
+            per_call = common.run_worker("callgrind_percall", payload, timeout=300, python=lanes[0][1])
+            figure.details["dry_run_per_call_regions"] = per_call["details"]["regions"]
             return figure
-        command = [valgrind, "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={folder}/cg.%p",
-                   *common.worker_command("callgrind", payload)]
-        env = common.worker_environment()
-        env.update({"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"})
-        done = subprocess.run(command, cwd=str(common.REPO), env=env, capture_output=True, text=True, timeout=3600)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode != 0 or not lines:
-            raise common.WorkerError(f"callgrind worker exited {done.returncode}:\n{(done.stderr or done.stdout)[-3000:]}")
-        result = json.loads(lines[-1])
-        counts = read_dumps(folder)
-    details = result["details"]
-    figure.details.update(details)
-    figure.details["instructions"] = counts
-    figure.cases = _cases(payload, details, counts)
+        result, counts = _counted(valgrind, folder / "decode", "callgrind", payload, None)
+        details = result["details"]
+        figure.details.update(details)
+        figure.details["instructions"] = counts
+        figure.cases = _cases(payload, details, counts)
+        figure.details["per_call"] = {}
+        for lane, python in lanes:
+            result, counts = _counted(valgrind, folder / lane, "callgrind_percall", payload, python)
+            lane_details = {**result["details"], "instructions": counts}
+            figure.details["per_call"][lane] = lane_details
+            figure.cases += _per_call_cases(payload, lane_details, counts)
     return figure
+
+
+def _counted(valgrind: str, folder: Path, worker: str, payload: dict[str, Any],
+             python: str | None) -> tuple[dict[str, Any], dict[str, int]]:
+    """Run ``worker`` under callgrind (instrumentation off until a region starts); its result and
+    ``{region label: instructions}``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [valgrind, "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={folder}/cg.%p",
+               *common.worker_command(worker, payload, python=python)]
+    env = common.worker_environment()
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"})
+    done = subprocess.run(command, cwd=str(common.REPO), env=env, capture_output=True, text=True, timeout=3600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise common.WorkerError(f"{worker} worker exited {done.returncode}:\n{(done.stderr or done.stdout)[-3000:]}")
+    return json.loads(lines[-1]), read_dumps(folder)
+
+
+def _per_call_cases(payload: dict[str, Any], details: dict[str, Any], counts: dict[str, int]) -> list[Case]:
+    """Extra instructions per call (overlay − reverted, per round) and their sums per layer and step."""
+    calls, release = payload["calls"], details["transformers"]
+    extra: dict[str, list[float]] = {}
+    table = []
+    for name, label in percall.CALLS.items():
+        per_round = {variant: [counts[f"percall|{name}|{variant}|{r}"] / calls for r in range(payload["rounds"])]
+                     for variant in ("overlay", "stock")}
+        extra[name] = [a - b for a, b in zip(per_round["overlay"], per_round["stock"])]
+        table.append({"call": label, "stock": common.summary(per_round["stock"])["median"],
+                      "overlay": common.summary(per_round["overlay"])["median"],
+                      "extra": common.summary(extra[name])["median"]})
+    details["table"] = table
+    cases = [Case(name=f"{release}: {label}: extra instructions per call", unit="instructions",
+                  stats=common.summary(extra[name]), numerator="overlay", denominator="stock",
+                  samples=[round(x, 1) for x in extra[name]],
+                  note=f"{calls} calls per counted region; instructions per call: stock "
+                       f"{row['stock']:,.0f}, overlay {row['overlay']:,.0f}")
+             for (name, label), row in zip(percall.CALLS.items(), table)]
+    for total, parts in percall.TOTALS.items():
+        per_round = [sum(extra[p][i] for p in parts) for i in range(payload["rounds"])]
+        cases.append(Case(name=f"{release}: per layer and step, {total} cache (update + attention): extra instructions",
+                          unit="instructions", stats=common.summary(per_round), numerator="overlay",
+                          denominator="stock", samples=[round(x, 1) for x in per_round],
+                          note="sum of the calls' extra instructions, per round"))
+    return cases
 
 
 def _cases(payload: dict[str, Any], details: dict[str, Any], counts: dict[str, int]) -> list[Case]:
@@ -242,6 +292,61 @@ def callgrind_worker(payload: dict[str, Any]) -> dict[str, Any]:
         "torch": torch.__version__,
         "states_when_applied": states,
         "setups": {s: SETUPS[s][0] for s in payload["setups"]},
+    }
+    return {"status": OK, "details": details, "cases": []}
+
+
+def callgrind_percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
+    """Figure 7's three statements, ``calls`` times per counted region, overlay applied and
+    reverted (switched outside the regions; each region preceded by one uncounted run)."""
+    import ctypes
+    import gc
+
+    import torch
+    import transformers
+
+    from .overlay_access import apply_all, revert_all
+    from .percall import call_statements
+
+    marker = ctypes.CDLL(payload["marker"])
+    marker.region_stop.argtypes = [ctypes.c_char_p]
+    calls = payload["calls"]
+    states = apply_all()
+    namespace, statements = call_statements(room=calls)
+    loops = {name: (compile(f"for _ in range({calls}): {statement}", f"<{name} x {calls}>", "exec"), reset)
+             for name, (statement, reset) in statements.items()}
+    regions = []
+    for r, order in enumerate(common.rotations(["overlay", "stock"], payload["rounds"])):
+        for variant in order:
+            if variant == "stock":
+                revert_all()
+            try:
+                for name, (loop, reset) in loops.items():
+                    for counted in (False, True):
+                        if reset is not None:
+                            reset()
+                        gc.collect()
+                        gc.disable()
+                        try:
+                            if counted:
+                                marker.region_start()
+                            exec(loop, namespace)
+                            if counted:
+                                label = f"percall|{name}|{variant}|{r}"
+                                marker.region_stop(label.encode())
+                                regions.append(label)
+                        finally:
+                            gc.enable()
+            finally:
+                if variant == "stock":
+                    apply_all()
+    details = {
+        "on_valgrind": bool(marker.on_valgrind()),
+        "regions": regions,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "states_when_applied": states,
+        "statements": {name: statement for name, (statement, _) in statements.items()},
     }
     return {"status": OK, "details": details, "cases": []}
 

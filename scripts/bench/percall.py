@@ -14,10 +14,15 @@ devices already agree, nothing to fix):
   (query 1 position, 33 key/value positions, no mask).
 
 Overlay applied (``overlay.apply()``) and reverted (``overlay.reverted()``) alternate in one
-process, rounds rotated; each round keeps, per call and variant, the fastest of ``repeat`` timings
-of ``number`` back-to-back calls (``timeit``: garbage collector off, the statement compiled into
-the loop; the minimum is the estimate least disturbed by other processes), clocked by the
-thread's CPU time (``time.thread_time``), which leaves out the time other processes hold the core. The extra time is
+process at every sample, so that the two sides of a pair run milliseconds apart (slow drifts of
+the machine's speed hit both): a sample is ``warmup`` calls, then ``number`` back-to-back calls
+timed (``timeit``: garbage collector off, the statement compiled into the loop); each round keeps,
+per call and variant, the fastest of its ``repeat`` samples (the minimum is the estimate least
+disturbed by other processes); the order of the variants alternates within a round and rotates
+between rounds. The clock is the thread's CPU time (``time.thread_time``), which leaves out the
+time other processes hold the core. Even so, on a shared 2-core machine the fastest SDPA call
+itself moves by a few tenths of a µs from sample to sample, the same code either side; the
+instruction counts of figure 8 are the deterministic companion. The extra time is
 with − without: per round (cases: median/min/max over rounds) and as fastest − fastest over all
 rounds (``best``; the details give both times). Goal: the sum per layer and step (cache update +
 attention call) at most 1.0 µs, static and dynamic cache, on every release measured, judged on
@@ -110,24 +115,21 @@ def run(smoke: bool, options: dict[str, Any]) -> common.Figure:
 # -- worker side ---------------------------------------------------------------------------------
 
 
-def percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
+def call_statements(room: int) -> tuple[dict[str, Any], dict[str, tuple[str, Any]]]:
+    """``(namespace, {call: (statement, reset or None)})``: the three calls as modeling_llama
+    writes them, on a one-layer Llama's decode-shaped float32 tensors; the static cache has room
+    for ``room`` more positions after its prefix (``reset`` puts the position back after it).
+    Shared with figure 8, which counts the instructions of the very same statements."""
     import inspect
     import re
-    import time
-    import timeit
 
     import torch
-    import transformers
     from transformers import DynamicCache, StaticCache
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama import modeling_llama
 
-    import overlay
-
     from . import models
-    from .overlay_access import apply_all
 
-    number, repeat, rounds, warmup = payload["number"], payload["repeat"], payload["rounds"], payload["warmup"]
     config = models.llama_config(layers=1, attn_implementation="sdpa")
     generator = torch.Generator().manual_seed(0)
     kv_heads, heads, head_dim = config.num_key_value_heads, config.num_attention_heads, config.head_dim
@@ -141,11 +143,7 @@ def percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
     keys, values = torch.cat([k_prefix, k_new], dim=-2), torch.cat([v_prefix, v_new], dim=-2)
     module = modeling_llama.LlamaAttention(config, layer_idx=0).eval()
 
-    states = apply_all()
-
-    # Static cache: room for the prefix, every timed call and the warm-up ones; the position is
-    # put back after the prefix before each timing (outside the timed loop).
-    static = StaticCache(config=config, max_cache_len=CACHED + max(number, warmup) + 8)
+    static = StaticCache(config=config, max_cache_len=CACHED + room + 8)
     static.update(k_prefix, v_prefix, 0)
     static_layer = static.layers[0]
 
@@ -158,7 +156,6 @@ def percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
 
     dynamic = DynamicCache(config=config)
     dynamic.update(k_prefix, v_prefix, 0)
-    dynamic_layer = dynamic.layers[0]
 
     # What the attention layer passes on in a decoding step: the decoder layer's position_ids and
     # use_cache arrive in its **kwargs, which go to the kernel, and (from 5.24) to the cache update.
@@ -169,7 +166,7 @@ def percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
 
     namespace = {
         "kw": kw,
-        "static": static, "dynamic": dynamic, "layer": dynamic_layer, "k_prefix": k_prefix, "v_prefix": v_prefix,
+        "static": static, "dynamic": dynamic, "layer": dynamic.layers[0], "k_prefix": k_prefix, "v_prefix": v_prefix,
         "k": k_new, "v": v_new, "ALL_ATTENTION_FUNCTIONS": ALL_ATTENTION_FUNCTIONS, "self": module,
         "eager_attention_forward": modeling_llama.eager_attention_forward, "q": query, "keys": keys,
         "values": values, "scaling": module.scaling,
@@ -185,6 +182,26 @@ def percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
             None,
         ),
     }
+    return namespace, statements
+
+
+def percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
+    import time
+    import timeit
+
+    import torch
+    import transformers
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import overlay
+
+    from .overlay_access import apply_all
+
+    number, repeat, rounds, warmup = payload["number"], payload["repeat"], payload["rounds"], payload["warmup"]
+    states = apply_all()
+    namespace, statements = call_statements(room=max(number, warmup))
+    static_layer, dynamic_layer = namespace["static"].layers[0], namespace["layer"]
+    query, k_new = namespace["q"], namespace["k"]
     # The clock is this thread's CPU time: time other processes hold the core is left out (on a
     # shared machine that is most of the noise); short loops, many of them, keep the fastest.
     timers = {name: (timeit.Timer(stmt, timer=time.thread_time, globals=namespace), reset)
@@ -196,18 +213,27 @@ def percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
             reset()
         return timer.timeit(count) / count * 1e6  # µs per call
 
-    def side(on: bool) -> dict[str, float]:
-        def run_all() -> dict[str, float]:
-            out = {}
-            for name in timers:
-                measure(name, warmup)
-                out[name] = min(measure(name, number) for _ in range(repeat))
-            return out
-
+    def timed(name: str, on: bool) -> float:
+        """One sample: a short warm-up (the first calls after switching pay for cold caches),
+        then ``number`` calls."""
         if on:
-            return run_all()
+            measure(name, warmup)
+            return measure(name, number)
         with overlay.reverted():
-            return run_all()
+            measure(name, warmup)
+            return measure(name, number)
+
+    def one_round(order: list[str]) -> dict[str, dict[str, float]]:
+        """Per call: ``repeat`` samples of each variant, alternating (in ``order``, then swapped),
+        so that both sides of a pair run within milliseconds of each other; per variant the
+        fastest of its samples."""
+        best: dict[str, dict[str, float]] = {variant: {} for variant in order}
+        for name in timers:
+            for r in range(repeat):
+                for variant in (order if r % 2 == 0 else order[::-1]):
+                    value = timed(name, variant == "overlay")
+                    best[variant][name] = min(value, best[variant].get(name, value))
+        return best
 
     # Premise: the statements reach the overlay's wrappers when applied, stock code when reverted.
     def where() -> dict[str, str]:
@@ -227,8 +253,7 @@ def percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
 
     samples: dict[str, dict[str, list[float]]] = {"overlay": {n: [] for n in timers}, "stock": {n: [] for n in timers}}
     for order in common.rotations(["overlay", "stock"], rounds + 1):
-        for variant in order:
-            result = side(variant == "overlay")
+        for variant, result in one_round(order).items():
             for name, value in result.items():
                 samples[variant][name].append(value)
     for variant in samples:  # the first round warms up both variants

@@ -142,6 +142,22 @@ def per_call_table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def per_call_instructions_table(report: dict[str, Any]) -> list[str]:
+    """Figure 8's per-call part: instructions per call (median of rounds) with and without."""
+    lines = []
+    for fig in report["figures"]:
+        if fig["id"] != "callgrind" or not fig["details"].get("per_call"):
+            continue
+        lines += ["", "Figure 8, per call (instructions per call, callgrind; median of rounds):", "",
+                  "| transformers | call | stock | with overlay | extra |", "|---|---|---|---|---|"]
+        for lane, details in fig["details"]["per_call"].items():
+            release = details.get("transformers", lane)
+            for row in details.get("table", []):
+                lines.append(f"| {release} | {row['call']} | {row['stock']:,.0f} | {row['overlay']:,.0f} | "
+                             f"{row['extra']:+,.0f} |")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     machine = report["machine"]
     lines = [
@@ -188,6 +204,7 @@ def markdown(report: dict[str, Any]) -> str:
               "best/best: ratio of each variant's fastest sample (figure 7: fastest with − fastest without). "
               "Goals are judged on the median, or where marked on best/best."]
     lines += per_call_table(report)
+    lines += per_call_instructions_table(report)
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"

@@ -17,6 +17,7 @@ WORKERS = {
     "gpu": "scripts.bench.gpu",
     "percall": "scripts.bench.percall",
     "callgrind": "scripts.bench.callgrind",
+    "callgrind_percall": "scripts.bench.callgrind",
 }
 
 
