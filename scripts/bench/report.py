@@ -121,24 +121,25 @@ def _number(value: Any, unit: str) -> str:
 
 
 def per_call_table(report: dict[str, Any]) -> list[str]:
-    """Figure 7 as the issue's table: per release, each call's stock and overlay time (best of all
-    rounds) and the extra, plus the sums per layer and step (median of the per-round sums)."""
+    """Figure 7 as the issue's table: per release, each call's stock and overlay time (median over
+    the processes of their fastest) and the extra, plus the sums per layer and step (median over
+    the processes, and their range)."""
     lines = []
     for fig in report["figures"]:
         if fig["id"] != "per_call" or not fig["details"].get("lanes"):
             continue
-        lines += ["", "Figure 7, per call (µs; stock and overlay: fastest round; extra: overlay − stock of those, "
-                  "and the median of the per-round extras):", "",
-                  "| transformers | call | stock | with overlay | extra (best) | extra (median of rounds) |",
+        lines += ["", "Figure 7, per call (µs; per fresh process: fastest with − fastest without; "
+                  "median over the processes, and their range):", "",
+                  "| transformers | call | stock | with overlay | extra (median) | range over processes |",
                   "|---|---|---|---|---|---|"]
         for lane, details in fig["details"]["lanes"].items():
             release = details.get("transformers", lane)
             for row in details["table"]:
                 lines.append(f"| {release} | {row['call']} | {row['stock_us']:.2f} | {row['overlay_us']:.2f} | "
-                             f"{row['extra_us']:+.2f} | {row['extra_us_median_of_rounds']:+.2f} |")
+                             f"{row['extra_us']:+.2f} | {row['extra_us_min']:+.2f} … {row['extra_us_max']:+.2f} |")
             for total, values in details["totals"].items():
                 lines.append(f"| {release} | **sum per layer and step, {total} cache** | | | "
-                             f"{values['best_best']:+.2f} | {values['median_of_rounds']:+.2f} |")
+                             f"**{values['median_over_processes']:+.2f}** | {values['min']:+.2f} … {values['max']:+.2f} |")
     return lines
 
 
