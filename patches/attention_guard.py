@@ -252,37 +252,32 @@ def _replace_get_interface(original):
 
     @wraps(original)
     def get_interface(self, attn_implementation, default):
-        if type(self) is lookup_class and _guard._mode == ALIGN and not _compiling():
-            # What the original returns, read directly (same order: the instance's mapping, then
-            # the class-wide one; "eager" falls back to ``default``); subscripts, not ``.get``
-            # calls: a miss raises, and every miss goes to the original below.
-            try:
-                local = self._local_mapping
-                if local and attn_implementation in local:
-                    function = local[attn_implementation]
-                elif attn_implementation == "eager":
-                    function = self._global_mapping.get("eager", default)
-                else:
-                    function = self._global_mapping[attn_implementation]
-                    if strips_paged_prefix and "|" in attn_implementation:
-                        function = _MISSING  # "paged|X" means X from 5.19.0 on
-            except Exception:  # unknown (KeyError), unhashable or odd names: the original decides
-                function = _MISSING
+        if _guard._mode == ALIGN and not _compiling():
+            function = _MISSING
+            if type(self) is lookup_class:
+                # What the original returns, read directly (same order: the instance's mapping,
+                # then the class-wide one; "eager" falls back to ``default``); subscripts, not
+                # ``.get`` calls: a miss raises, and every miss goes to the original below.
+                try:
+                    local = self._local_mapping
+                    if local and attn_implementation in local:
+                        function = local[attn_implementation]
+                    elif attn_implementation == "eager":
+                        function = self._global_mapping.get("eager", default)
+                    else:
+                        function = self._global_mapping[attn_implementation]
+                        if strips_paged_prefix and "|" in attn_implementation:
+                            function = _MISSING  # "paged|X" means X from 5.19.0 on
+                except Exception:  # unknown (KeyError), unhashable or odd names: the original decides
+                    function = _MISSING
             if function is _MISSING:
                 function = original(self, attn_implementation, default)
             try:
                 return _kernel_wrappers[function]
-            except (KeyError, TypeError):  # first seen, not a kernel of transformers', unhashable
+            except (KeyError, TypeError):  # first seen, not one of transformers' kernels, unhashable
                 return _slow_path(function, attn_implementation)
         function = original(self, attn_implementation, default)
-        mode = _guard._mode
-        if mode == ALIGN and not _compiling():
-            try:
-                wrapper = _kernel_wrappers.get(function)
-            except Exception:
-                wrapper = None
-            return _slow_path(function, attn_implementation) if wrapper is None else wrapper
-        if mode == OFF or function is None:
+        if _guard._mode == OFF or function is None:
             return function
         if _compiling():  # the check before the call, decided at trace time
             return functools.partial(_checked_call, function, attn_implementation)
