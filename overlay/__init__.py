@@ -11,7 +11,7 @@ Public API (imports nothing heavy until called)::
     with overlay.reverted(): # run a block on stock transformers
         ...
     overlay.fired()          # per patch, how many calls it changed something in this process
-    overlay.doctor()         # prove the fixes on this machine's accelerator (or the fake device)
+    overlay.run_doctor()     # prove the fixes on this machine's accelerator (or the fake device)
 
 Most users never call these: the startup hook installed with the package activates the
 overlay in every process when transformers is first imported (``ATTN_OVERLAY=0`` turns it off).
@@ -54,18 +54,12 @@ __all__ = [
     "fired",
     "known_patches",
     "activation_error",
-    "doctor",
     "run_doctor",
     "__version__",
 ]
 
 
 def __getattr__(name):
-    if name == "doctor":
-        import importlib
-
-        # The module is callable: overlay.doctor(...) is overlay.doctor.run_doctor(...).
-        return importlib.import_module(".doctor", __name__)
     if name == "run_doctor":
         from .doctor import run_doctor
 

@@ -17,20 +17,27 @@ from types import ModuleType
 from typing import Any, Iterable, Iterator
 
 from . import config
-from .patch import PATCH_MARKER, Patch, Target, fingerprint, function_of
+# The verdict's state words are the engine's too (engine.FIXED_UPSTREAM, ...): re-exported.
+from .patch import (  # noqa: F401
+    APPLIED,
+    FAILED,
+    FIXED_UPSTREAM,
+    NOT_INSTALLED,
+    OUT_OF_RANGE,
+    PATCH_MARKER,
+    PENDING,
+    UNRECOGNISED,
+    Patch,
+    assess,
+    function_of,
+    source_of,
+)
 
 logger = logging.getLogger("overlay")
 
 TRANSFORMERS = "transformers"
 
-# Status values, in the words the table prints.
-APPLIED = "applied"
-FIXED_UPSTREAM = "fixed upstream"
-OUT_OF_RANGE = "out of range"  # the release is outside the patch's declared range: nothing checked
-NOT_INSTALLED = "not installed"  # transformers is not installed: nothing to patch
-UNRECOGNISED = "unrecognised code"
-FAILED = "failed"
-PENDING = "pending"  # version in range; target module not imported yet
+# Status values, in the words the table prints: the verdict's (overlay.patch) and the engine's own.
 DISABLED = "disabled"
 INACTIVE = "inactive"  # overlay not activated in this process (or reverted)
 
@@ -83,25 +90,45 @@ class _Record:
     swaps: list[_Swap] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What the caller chose, read once when the overlay is activated and then passed along:
+    re-applying (``reverted()``, ``applied()``) never reads the environment again."""
+
+    strict: bool = False
+    disabled: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_env(cls, strict: bool | None = None) -> "Settings":
+        return cls(
+            strict=config.strict_from_env() if strict is None else strict,
+            disabled=config.disabled_patch_ids(),
+        )
+
+
 class _Engine:
-    def __init__(self) -> None:
+    """Everything the engine keeps: the patches, what each one did (records, with the swaps to
+    put back), the settings in force (``None``: not active) and which modules it watches."""
+
+    def __init__(self, patches: tuple[Patch, ...] | None = None, distribution: str = TRANSFORMERS) -> None:
         self.lock = threading.RLock()
-        self.records: dict[str, _Record] = {}
-        self.watching: set[str] = set()  # modules this engine watches on the import finder
-        self.suspended = False  # inside reverted(): watched modules are noted, not patched
-        self.imported_while_suspended: set[str] = set()
-        self.ever_patched: set[str] = set()  # modules this process has patched at least once
-        self.report_registered = False
-        self.active = False
-        self.strict = False
-        self.version: str | None = None
-        self.patches: tuple[Patch, ...] | None = None
-        self.startup_error: str | None = None
-        self.last_apply_seconds: dict[str, float] = {}
-        self.warned_late_modules: set[str] = set()
         # The distribution whose version gates the patches. Always transformers, except in the
         # engine's own tests, which gate toy patches on a throwaway package (see isolated()).
-        self.distribution = TRANSFORMERS
+        self.distribution = distribution
+        self.patches = patches
+        self.version: str | None = None
+        self.settings: Settings | None = None
+        self.records: dict[str, _Record] = {}
+        self.watching: set[str] = set()  # modules this engine watches on the import finder
+        # Inside reverted(): the watched modules that executed meanwhile (patched when it ends).
+        self.suspended: set[str] | None = None
+        self.ever_patched: set[str] = set()  # modules this process has patched at least once
+        self.startup_error: str | None = None
+        self.last_apply_seconds: dict[str, float] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.settings is not None
 
 
 _engine = _Engine()
@@ -122,45 +149,11 @@ def installed_transformers_version() -> str | None:
 
 def gate(patch: Patch, installed: str | None) -> tuple[str, str]:
     """Decide from the version alone: (state, reason). ``PENDING`` means "check the code next"."""
-    if installed is None:
-        return NOT_INSTALLED, f"{_engine.distribution} is not installed"
-    from packaging.specifiers import InvalidSpecifier, SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        version = Version(installed)
-    except InvalidVersion:
-        return UNRECOGNISED, (
-            f"transformers reports version {installed!r}, which is not a PEP 440 version; "
-            "reinstall transformers from a release or set ATTN_OVERLAY_DISABLE to skip this patch"
-        )
-    try:
-        affected = SpecifierSet(patch.affected)
-    except InvalidSpecifier as exc:  # a broken patch file, not the user's fault
-        return FAILED, f"patch declares an invalid version specifier {patch.affected!r}: {exc}"
-    # Dev builds (5.19.0.dev0) and local builds (5.18.0+neuron) are judged by their release
-    # number: they carry the same code as far as the fingerprints can tell, and the fingerprint
-    # check that follows refuses anything that is not the exact original.
-    if affected.contains(version, prereleases=True):
-        return PENDING, f"transformers {installed} is in {patch.affected}"
-    if patch.fixed_in is not None and Version(version.base_version) >= Version(patch.fixed_in):
-        return FIXED_UPSTREAM, f"transformers {installed} includes the upstream fix (since {patch.fixed_in})"
-    return OUT_OF_RANGE, f"transformers {installed} is outside {patch.affected}, the releases this patch was written for"
+    verdict = assess(patch, installed, distribution=_engine.distribution)
+    return verdict.state, verdict.reason
 
 
 # -- resolving and swapping targets -----------------------------------------------------------
-
-
-def _resolve(module: ModuleType, target: Target) -> tuple[Any, str, Any]:
-    """(owner, attribute name, raw object in owner's namespace or None)."""
-    *path, name = target.qualname.split(".")
-    owner: Any = module
-    for part in path:
-        owner = getattr(owner, part, None)
-        if owner is None:
-            return None, name, None
-    namespace = vars(owner) if isinstance(owner, type) else owner.__dict__
-    return owner, name, namespace.get(name)
 
 
 def _rewrap_like(raw: Any, func: Any) -> Any:
@@ -172,20 +165,13 @@ def _rewrap_like(raw: Any, func: Any) -> Any:
 
 
 def _apply_patch(record: _Record, module: ModuleType) -> bool:
-    """Check every target, then swap all of them or none. Updates ``record.status``; true when
-    this call swapped the targets."""
+    """Ask :func:`overlay.patch.assess` about the module's code, then swap every target or none.
+    Updates ``record.status``; true when this call swapped the targets."""
     patch = record.patch
-    planned: list[tuple[Target, Any, str, Any]] = []
-    variants: list[str] = []
+    located = {target.key: target.locate(module) for target in patch.targets}
     for target in patch.targets:
-        owner, name, raw = _resolve(module, target)
-        if raw is None:
-            if target.optional:
-                continue
-            _set(record, UNRECOGNISED, f"{target.key} does not exist in this transformers release")
-            return False
-        func = function_of(raw)
-        marker = getattr(func, PATCH_MARKER, None)
+        raw = located[target.key][2]
+        marker = getattr(function_of(raw), PATCH_MARKER, None) if raw is not None else None
         if marker == patch.id:
             # Already ours (re-entrant import, or a second engine copy): nothing to do.
             if record.status.state != APPLIED:
@@ -194,37 +180,26 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
         if marker is not None:
             _set(record, FAILED, f"{target.key} is already replaced by overlay patch {marker!r}")
             return False
-        try:
-            digest = fingerprint(func)
-        except (OSError, TypeError) as exc:
-            _set(record, UNRECOGNISED, f"cannot read the source of {target.key}: {exc}")
-            return False
-        if digest in target.fixed:
-            _set(
-                record,
-                FIXED_UPSTREAM,
-                f"{target.key} is already the fixed code (as in {target.fixed[digest]})",
-                variants=(target.fixed[digest],),
-            )
-            return False
-        if digest not in target.originals:
-            _set(
-                record,
-                UNRECOGNISED,
-                f"{target.key} is not the code this patch was written for (sha256 {digest[:12]}); "
-                "not patched. Run scripts/fingerprint_release.py on this release, or report it",
-            )
-            return False
-        variants.append(target.originals[digest])
-        planned.append((target, owner, name, raw))
+
+    def read_source(target):
+        raw = located[target.key][2]
+        return None if raw is None else source_of(function_of(raw))
+
+    verdict = assess(patch, _engine.version, read_source, distribution=_engine.distribution)
+    if verdict.state != APPLIED:
+        _set(record, verdict.state, verdict.reason, verdict.labels)
+        return False
 
     swaps: list[_Swap] = []
     try:
-        for target, owner, name, raw in planned:
+        for match in verdict.matches:
+            if match.variant is None:  # an optional target this release does not have
+                continue
+            owner, name, raw = located[match.target.key]
             original = function_of(raw)
-            new = target.replace(original)
+            new = match.target.replace(original, match.variant)
             if new is original or not callable(new):
-                raise OverlayError(f"replace() of {target.key} returned no new callable")
+                raise OverlayError(f"replace() of {match.target.key} returned no new callable")
             setattr(new, PATCH_MARKER, patch.id)
             if getattr(new, "__wrapped__", None) is None:
                 new.__wrapped__ = original
@@ -239,7 +214,7 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
         return False
     record.swaps = swaps
     _engine.ever_patched.add(module.__name__)
-    _set(record, APPLIED, f"patched {', '.join(t.key for t, *_ in planned)}", variants=tuple(variants))
+    _set(record, APPLIED, verdict.reason, verdict.labels)
     return True
 
 
@@ -301,8 +276,8 @@ def _on_module_executed(module: ModuleType) -> None:
     with _engine.lock:
         if not _engine.active:
             return
-        if _engine.suspended:  # inside reverted(): patched when the block ends
-            _engine.imported_while_suspended.add(module.__name__)
+        if _engine.suspended is not None:  # inside reverted(): patched when the block ends
+            _engine.suspended.add(module.__name__)
             return
         _forget_reexecuted(module)
         _apply_for_module(module)
@@ -313,7 +288,7 @@ def _forget_reexecuted(module: ModuleType) -> None:
     for record in _engine.records.values():
         if record.patch.module != module.__name__ or record.status.state != APPLIED or not record.swaps:
             continue
-        current = [_resolve(module, target)[2] for target in record.patch.targets]
+        current = [target.locate(module)[2] for target in record.patch.targets]
         if all(raw is None or getattr(function_of(raw), PATCH_MARKER, None) == record.patch.id for raw in current):
             continue
         record.swaps = []  # the owners are the old module's objects: nothing to put back there
@@ -330,13 +305,12 @@ def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> N
             swapped.append(record.patch.id)
         elif record.status.state in BAD_STATES:
             message = f"attn-overlay: patch {record.patch.id} not applied: {record.status.reason}"
-            if _engine.strict:
+            if _engine.settings.strict:
                 raise OverlayError(message + " (strict mode)")
             logger.warning(message)
     _engine.last_apply_seconds[module.__name__] = time.perf_counter() - started
     if swapped:
-        if imported_before and module.__name__ not in _engine.warned_late_modules:
-            _engine.warned_late_modules.add(module.__name__)
+        if imported_before:  # once per module: it is in ever_patched from now on
             logger.warning(
                 "attn-overlay: %s was imported before the overlay was activated; objects that "
                 "captured its functions before now still hold the unpatched ones",
@@ -350,9 +324,9 @@ def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> N
         )
 
 
-def _activate(strict: bool | None, only: Iterable[str] | None, *, from_startup: bool = False) -> None:
+def _activate(settings: Settings, only: Iterable[str] | None, *, from_startup: bool = False) -> None:
+    """Activate with ``settings`` (the caller decided them: nothing is read here)."""
     with _engine.lock:
-        _engine.strict = config.strict_from_env() if strict is None else strict
         patches = known_patches()
         known = {p.id for p in patches}
         wanted = set(only) if only is not None else known
@@ -363,7 +337,7 @@ def _activate(strict: bool | None, only: Iterable[str] | None, *, from_startup: 
             )
         if not _engine.active:
             _engine.version = installed_transformers_version()
-        disabled = config.disabled_patch_ids()
+        _engine.settings = settings
         for patch in patches:
             record = _engine.records.get(patch.id)
             if patch.id not in wanted:
@@ -372,16 +346,12 @@ def _activate(strict: bool | None, only: Iterable[str] | None, *, from_startup: 
                     _set(_engine.records[patch.id], INACTIVE, "not selected")
                 continue
             if record is None or record.status.state in (INACTIVE, DISABLED):
-                _engine.records[patch.id] = _initial_record(patch, _engine.version, disabled)
-        _engine.active = True
+                _engine.records[patch.id] = _initial_record(patch, _engine.version, settings.disabled)
         _watch_pending()
-        if config.report_at_exit() and not _engine.report_registered:
-            import atexit
-
+        if config.report_at_exit():
             from . import report
 
-            atexit.register(report.print_report, patches)
-            _engine.report_registered = True
+            report.print_report_at_exit(patches)
         for name in sorted({r.patch.module for r in _engine.records.values() if r.status.state == PENDING}):
             module = sys.modules.get(name)
             if module is not None:
@@ -413,12 +383,14 @@ def _unwatch_all() -> None:
 def activate_from_startup(module: ModuleType | None = None) -> None:
     """The startup hook's post-import hook on ``transformers``. Never raises (except in strict
     mode, which asked for it)."""
+    settings = None
     try:
         if not config.auto_enabled():
             return
-        _activate(strict=None, only=None, from_startup=True)
+        settings = Settings.from_env()
+        _activate(settings, only=None, from_startup=True)
     except OverlayError:
-        if config.strict_from_env():
+        if settings is not None and settings.strict:
             raise
         record_startup_failure(sys.exc_info()[1])
     except Exception as exc:
@@ -438,15 +410,29 @@ def activation_error() -> str | None:
 # -- public API ----------------------------------------------------------------------------
 
 
+def _settings_for(strict: bool | None) -> Settings:
+    """The settings an ``apply()`` call asks for: those in force (the environment's, read once,
+    on first activation), with ``strict`` changed only where the caller passed it."""
+    current = _engine.settings or Settings.from_env()
+    return current if strict is None or strict == current.strict else replace(current, strict=strict)
+
+
 def apply(*, strict: bool | None = None, only: Iterable[str] | None = None) -> list[PatchStatus]:
     """Activate the overlay in this process: patch what is imported, watch what is not yet.
 
-    Idempotent and thread-safe. ``only`` restricts it to some patch ids. ``strict`` (default:
-    ``ATTN_OVERLAY_STRICT``) raises :class:`OverlayError` for unrecognised code or a failed patch.
+    Idempotent and thread-safe. ``only`` restricts it to some patch ids. ``strict`` raises
+    :class:`OverlayError` for unrecognised code or a failed patch; ``None`` keeps the mode in
+    force (on first activation: ``ATTN_OVERLAY_STRICT``).
     """
-    _activate(strict=strict, only=only)
+    with _engine.lock:
+        settings = _settings_for(strict)
+        _activate(settings, only=only)
+        return _checked_status(settings)
+
+
+def _checked_status(settings: Settings) -> list[PatchStatus]:
     result = status()
-    if _engine.strict:
+    if settings.strict:
         bad = [s for s in result if s.state in BAD_STATES]
         if bad:
             raise OverlayError(
@@ -466,7 +452,7 @@ def revert(only: Iterable[str] | None = None) -> list[PatchStatus]:
             _revert_record(record)
             _set(record, INACTIVE, "reverted")
         if all(r.status.state == INACTIVE for r in _engine.records.values()):
-            _engine.active = False
+            _engine.settings = None
             _unwatch_all()
         return status()
 
@@ -489,6 +475,11 @@ def is_active() -> bool:
     return _engine.active
 
 
+def settings() -> Settings | None:
+    """The settings in force, or ``None`` when the overlay is not active in this process."""
+    return _engine.settings
+
+
 def apply_timings() -> dict[str, float]:
     """Seconds spent applying patches, per module, in this process (for the benchmarks)."""
     return dict(_engine.last_apply_seconds)
@@ -496,15 +487,28 @@ def apply_timings() -> dict[str, float]:
 
 @contextlib.contextmanager
 def applied(*, only: Iterable[str] | None = None, strict: bool | None = None) -> Iterator[list[PatchStatus]]:
-    """Apply for the duration of a ``with`` block; afterwards revert what this block applied."""
+    """Apply for the duration of a ``with`` block; afterwards revert what this block applied and
+    put back the settings that were in force before it."""
     with _engine.lock:
         before = {pid for pid, r in _engine.records.items() if r.status.state == APPLIED}
-        result = apply(strict=strict, only=only)
+        previous = _engine.settings
+        try:
+            result = apply(strict=strict, only=only)
+        except BaseException:
+            _restore_settings(previous)
+            raise
         mine = [s.id for s in result if s.state == APPLIED and s.id not in before]
     try:
         yield result
     finally:
-        revert(only=mine)
+        with _engine.lock:
+            revert(only=mine)
+            _restore_settings(previous)
+
+
+def _restore_settings(previous: Settings | None) -> None:
+    if _engine.active and previous is not None:
+        _engine.settings = previous
 
 
 @contextlib.contextmanager
@@ -512,23 +516,25 @@ def reverted() -> Iterator[None]:
     """Run a block on stock transformers (e.g. a control run while the startup hook is active).
 
     Inside the block every patched function is the original, and a target module first imported
-    there stays stock too; when the block ends, both are patched again (no late-import warning:
-    the block asked for stock)."""
+    there stays stock too; when the block ends, both are patched again, with the settings that
+    were in force (no late-import warning: the block asked for stock)."""
     with _engine.lock:
+        settings = _engine.settings
         was = [pid for pid, r in _engine.records.items() if r.status.state == APPLIED]
         revert(only=was)
-        previously_suspended = _engine.suspended
-        _engine.suspended = True
+        outer = _engine.suspended
+        _engine.suspended = set()
     try:
         yield
     finally:
         with _engine.lock:
-            _engine.suspended = previously_suspended
-            imported = sorted(_engine.imported_while_suspended)
-            _engine.imported_while_suspended.clear()
+            imported = sorted(_engine.suspended)
+            _engine.suspended = outer
+            if outer is not None:  # nested: the outer block patches them when it ends
+                outer.update(imported)
             if was:
-                apply(only=was)
-            if _engine.active and not _engine.suspended:
+                _activate(settings, only=was)
+            if _engine.active and _engine.suspended is None:
                 for name in imported:
                     module = sys.modules.get(name)
                     if module is not None:
@@ -541,9 +547,7 @@ def isolated(patches: Iterable[Patch], *, distribution: str = TRANSFORMERS) -> I
     version of ``distribution``. Reverts everything and restores the previous state on exit."""
     global _engine
     previous = _engine
-    fresh = _Engine()
-    fresh.patches = tuple(patches)
-    fresh.distribution = distribution
+    fresh = _Engine(tuple(patches), distribution)
     with previous.lock:
         _engine = fresh
     try:

@@ -24,33 +24,94 @@ PATCH_MARKER = "__overlay_patch__"
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One shape of a target's code: the releases that ship it, and what the replacement needs
+    to know about that shape (``params``), so that a release with new code is a new variant, not
+    a branch inside the replacement. The engine hands the matched variant to ``Target.replace``."""
+
+    label: str
+    """The releases that ship this exact code, e.g. ``"5.15.0-5.17.0"``: what status reports and
+    ``scripts/fingerprint_release.py`` show (that tool checks the label names the release)."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Whatever differs in the replacement for this shape: flags, values, small functions."""
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.params[name]
+        except KeyError:
+            raise KeyError(f"variant {self.label!r} declares no parameter {name!r}") from None
+
+
+@dataclass(frozen=True)
 class Target:
     """One function (or method) a patch replaces.
 
-    ``originals`` and ``fixed`` map a sha256 fingerprint (see :func:`fingerprint`) to a label
-    naming the releases that ship that exact code, e.g. ``"5.15.0-5.17.0"``. The label is what
-    status reports and ``scripts/fingerprint_release.py`` show; it is never parsed.
+    ``originals`` maps the sha256 fingerprint (see :func:`fingerprint`) of every code shape the
+    patch was written for to its :class:`Variant` (a plain label string is shorthand for a
+    variant without parameters); ``fixed`` maps the fingerprints of upstream's fixed code to a
+    label naming the releases that ship it. Labels are shown, never parsed by the engine.
     """
 
     module: str
     """Dotted module name the target lives in, e.g. ``"transformers.generation.utils"``."""
     qualname: str
     """Attribute path inside the module, e.g. ``"GenerationMixin.prepare_inputs_for_generation"``."""
-    originals: Mapping[str, str]
-    """Fingerprints of every known original this patch was written against -> release label."""
-    replace: Callable[[Callable[..., Any]], Callable[..., Any]]
-    """Builds the replacement from the original function. Must not mutate the original, and
-    must not import anything while building: it runs inside the import of the target module
-    under the engine's lock, so an import there could deadlock with another thread's import.
-    Import what the replacement needs inside the replacement's body."""
+    originals: Mapping[str, Variant | str]
+    """Fingerprints of every known original this patch was written against -> its variant."""
+    replace: Callable[[Callable[..., Any], Variant], Callable[..., Any]]
+    """``replace(original, variant)`` builds the replacement from the original function and the
+    variant its code matched. Must not mutate the original, and must not import anything while
+    building: it runs inside the import of the target module under the engine's lock, so an
+    import there could deadlock with another thread's import. Import what the replacement needs
+    inside the replacement's body."""
     fixed: Mapping[str, str] = field(default_factory=dict)
     """Fingerprints meaning "upstream already ships the fix" -> release label."""
     optional: bool = False
     """When true, a release where the attribute does not exist is fine (target skipped)."""
 
+    def __post_init__(self) -> None:
+        variants = {
+            digest: variant if isinstance(variant, Variant) else Variant(variant)
+            for digest, variant in self.originals.items()
+        }
+        object.__setattr__(self, "originals", variants)
+
     @property
     def key(self) -> str:
         return f"{self.module}:{self.qualname}"
+
+    def locate(self, module: Any) -> tuple[Any, str, Any]:
+        """(owner, attribute name, raw object in the owner's own namespace, or ``None``) for this
+        target in the imported ``module``. The raw object is what ``__dict__`` holds (a
+        ``staticmethod`` stays one): what a swap replaces and a revert puts back."""
+        *path, name = self.qualname.split(".")
+        owner: Any = module
+        for part in path:
+            owner = getattr(owner, part, None)
+            if owner is None:
+                return None, name, None
+        return owner, name, vars(owner).get(name)
+
+    def stock(self, module: Any) -> Any:
+        """The release's own function for this target in ``module``, behind any overlay
+        replacement (``None`` when the module has no such attribute)."""
+        raw = self.locate(module)[2]
+        func = function_of(raw) if raw is not None else None
+        while getattr(func, PATCH_MARKER, None) is not None:
+            func = func.__wrapped__
+        return func
+
+    def variant_of(self, func: Callable[..., Any]) -> Variant | None:
+        """The variant whose code ``func`` is, or ``None``."""
+        return self.originals.get(fingerprint(func))
+
+    def build(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``replace(original, its variant)`` outside the engine (tests, benchmarks); raises
+        ``ValueError`` when ``original`` is not a known original."""
+        variant = self.variant_of(original)
+        if variant is None:
+            raise ValueError(f"{self.key}: the given function is not a known original (sha256 {fingerprint(original)[:12]})")
+        return self.replace(original, variant)
 
 
 @dataclass(frozen=True)
@@ -73,6 +134,10 @@ class Patch:
     fixed_in: str | None
     """First upstream release that fixes it, or ``None`` when no release does."""
     targets: tuple[Target, ...]
+    doctor: tuple[str, ...] = ()
+    """Ids of the ``python -m overlay.doctor`` scenarios that prove this fix on a user's machine
+    (``overlay/doctor/_scenarios.py``): the doctor reports each scenario with the patches that
+    name it, and ``tests/test_doctor.py`` checks every id names a scenario."""
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -104,6 +169,9 @@ def source_of(func: Callable[..., Any]) -> str:
     """
     func = inspect.unwrap(function_of(func), stop=lambda f: hasattr(f, PATCH_MARKER))
     code = func.__code__
+    # The file as it is now: linecache keeps what it read first, and a module reloaded from
+    # changed source must not be judged by its old text (one stat call).
+    linecache.checkcache(code.co_filename)
     lines = linecache.getlines(code.co_filename)
     if not lines:
         raise OSError(f"no source available for {func!r} ({code.co_filename})")
@@ -199,3 +267,147 @@ def function_of(raw: Any) -> Any:
 def wraps(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """:func:`functools.wraps` for replacements: keeps name, docstring, signature (``__wrapped__``)."""
     return functools.wraps(original)
+
+
+# -- the verdict ----------------------------------------------------------------------------
+# One pure function says what a patch meets on a release; the engine, the fingerprint tool, the
+# test kit and the benchmarks all ask it. States are the words the status table prints.
+
+APPLIED = "applied"  # from assess(): every target is a known original, so the engine swaps them
+FIXED_UPSTREAM = "fixed upstream"
+OUT_OF_RANGE = "out of range"  # the release is outside the patch's declared range: nothing checked
+NOT_INSTALLED = "not installed"  # transformers is not installed: nothing to patch
+UNRECOGNISED = "unrecognised code"
+FAILED = "failed"
+PENDING = "pending"  # version in range; the code has not been read (module not imported yet)
+
+# How one target's code compares with what the patch knows.
+ORIGINAL = "original"
+FIXED = "fixed"
+NEW = "new"  # present, but no known fingerprint
+MISSING = "missing"
+ABSENT_OPTIONAL = "absent (optional)"
+UNREADABLE = "unreadable"  # present, but its source cannot be read
+
+
+@dataclass(frozen=True)
+class TargetMatch:
+    target: Target
+    match: str
+    digest: str | None = None
+    variant: Variant | None = None
+    """The matched variant (``match == ORIGINAL``)."""
+    label: str | None = None
+    """The variant's or the fixed code's release label."""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: str
+    reason: str
+    matches: tuple[TargetMatch, ...] = ()
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Release labels of the code the decisive targets matched."""
+        wanted = ORIGINAL if self.state == APPLIED else FIXED
+        return tuple(m.label for m in self.matches if m.match == wanted and m.label is not None)
+
+
+def gate(patch: "Patch", installed: str | None, distribution: str = "transformers") -> tuple[str, str]:
+    """The version half of :func:`assess`: (state, reason); ``PENDING`` means "read the code next"."""
+    if installed is None:
+        return NOT_INSTALLED, f"{distribution} is not installed"
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        version = Version(installed)
+    except InvalidVersion:
+        return UNRECOGNISED, (
+            f"{distribution} reports version {installed!r}, which is not a PEP 440 version; "
+            "reinstall it from a release or set ATTN_OVERLAY_DISABLE to skip this patch"
+        )
+    try:
+        affected = SpecifierSet(patch.affected)
+    except InvalidSpecifier as exc:  # a broken patch file, not the user's fault
+        return FAILED, f"patch declares an invalid version specifier {patch.affected!r}: {exc}"
+    # Dev builds (5.19.0.dev0) and local builds (5.18.0+neuron) are judged by their release
+    # number: they carry the same code as far as the fingerprints can tell, and the code check
+    # refuses anything that is not the exact original.
+    if affected.contains(version, prereleases=True):
+        return PENDING, f"{distribution} {installed} is in {patch.affected}"
+    if patch.fixed_in is not None and Version(version.base_version) >= Version(patch.fixed_in):
+        return FIXED_UPSTREAM, f"{distribution} {installed} includes the upstream fix (since {patch.fixed_in})"
+    return OUT_OF_RANGE, f"{distribution} {installed} is outside {patch.affected}, the releases this patch was written for"
+
+
+def match_target(target: Target, source: str | None) -> TargetMatch:
+    """How one target's source (``None``: not defined in this release) compares with the patch."""
+    if source is None:
+        return TargetMatch(target, ABSENT_OPTIONAL if target.optional else MISSING)
+    digest = fingerprint_source(source)
+    variant = target.originals.get(digest)
+    if variant is not None:
+        return TargetMatch(target, ORIGINAL, digest, variant, variant.label)
+    if digest in target.fixed:
+        return TargetMatch(target, FIXED, digest, label=target.fixed[digest])
+    return TargetMatch(target, NEW, digest)
+
+
+def assess(
+    patch: "Patch",
+    installed: str | None,
+    read_source: Callable[[Target], str | None] | None = None,
+    *,
+    distribution: str = "transformers",
+) -> Verdict:
+    """What ``patch`` meets on release ``installed``: the one decision, without side effects.
+
+    The version first (:func:`gate`); in range, and given ``read_source`` (``target -> source
+    text``, ``None`` when the release defines no such function; it may raise ``OSError`` or
+    ``TypeError`` for code without readable source), the code of every target
+    (:func:`judge_code`). Without ``read_source`` an in-range release stays ``PENDING``.
+    """
+    state, reason = gate(patch, installed, distribution)
+    if state != PENDING or read_source is None:
+        return Verdict(state, reason)
+    return judge_code(patch, read_source)
+
+
+def judge_code(patch: "Patch", read_source: Callable[[Target], str | None]) -> Verdict:
+    """The code half of :func:`assess`, whatever the release number says:
+
+    - every present target a known original -> ``APPLIED`` (each match names its variant);
+    - else any target new, missing or unreadable -> ``UNRECOGNISED``, naming the first;
+    - else (known fixed code, possibly next to originals) -> ``FIXED_UPSTREAM``.
+    """
+    matches = []
+    for target in patch.targets:
+        try:
+            matches.append(match_target(target, read_source(target)))
+        except (OSError, TypeError) as exc:
+            matches.append(TargetMatch(target, UNREADABLE, detail=f"cannot read the source of {target.key}: {exc}"))
+    matches = tuple(matches)
+    present = [m for m in matches if m.match != ABSENT_OPTIONAL]
+    if present and all(m.match == ORIGINAL for m in present):
+        return Verdict(APPLIED, f"patched {', '.join(m.target.key for m in present)}", matches)
+    for m in matches:
+        if m.match == NEW:
+            return Verdict(UNRECOGNISED, (
+                f"{m.target.key} is not the code this patch was written for (sha256 {m.digest[:12]}); "
+                "not patched. Run scripts/fingerprint_release.py on this release, or report it"
+            ), matches)
+        if m.match == MISSING:
+            return Verdict(UNRECOGNISED, f"{m.target.key} does not exist in this transformers release", matches)
+        if m.match == UNREADABLE:
+            return Verdict(UNRECOGNISED, m.detail, matches)
+    fixed = [m for m in matches if m.match == FIXED]
+    if not fixed:
+        return Verdict(UNRECOGNISED, "none of the patch's targets exists in this release", matches)
+    return Verdict(
+        FIXED_UPSTREAM,
+        "; ".join(f"{m.target.key} is already the fixed code (as in {m.label})" for m in fixed),
+        matches,
+    )

@@ -81,6 +81,21 @@ def report_lines(patches) -> list[str]:
     return lines
 
 
+_registered_at_exit = False
+
+
+def print_report_at_exit(patches) -> None:
+    """Print :func:`report_lines` on stderr when the process exits (registered once)."""
+    global _registered_at_exit
+    with _lock:
+        if _registered_at_exit:
+            return
+        _registered_at_exit = True
+    import atexit
+
+    atexit.register(print_report, patches)
+
+
 def print_report(patches, stream=None) -> None:
     """Write :func:`report_lines` to stderr (nothing when nothing fired). Never raises."""
     try:

@@ -71,7 +71,7 @@ from collections.abc import Mapping
 from types import FunctionType
 
 from overlay import guard as _guard
-from overlay.patch import Patch, Target, fingerprint, wraps
+from overlay.patch import Patch, Target, Variant, fingerprint, wraps
 
 MODULE = "transformers.modeling_utils"
 PATCH_ID = "attention-guard"
@@ -201,13 +201,6 @@ LOOKUP_FINGERPRINTS = {
     "5e2a67a46b33a85220a6eafd94e158c664316fabaf37fd93e7f9839ac7a563ef": "5.13.0-5.24.0",
 }
 
-#: Which release's ``get_interface`` the replacement mirrors: 5.19.0 added the ``paged|`` prefix
-#: handling, where a name ``paged|X`` (but ``paged|eager``) means ``X``.
-STRIPS_PAGED_PREFIX = {
-    "a9d96a2a90be43b1c335d52304ae8e3efb2ab6c8dfce0251df7c840d0215fc85": False,
-    "5c12a08a6f62f3b6695d5c2bf2d2f1fe40fb26475c9ceb03fa21841fe3ababdc": True,
-}
-
 _MISSING = object()
 
 
@@ -231,7 +224,7 @@ def _lookup_class(original):
     return interface if known else None
 
 
-def _replace_get_interface(original):
+def _replace_get_interface(original, variant):
     """The registry lookup, then the kernel behind the guard (see the module docstring).
 
     Cost matters here (once per layer and decoding step): for ``AttentionInterface`` instances
@@ -240,15 +233,13 @@ def _replace_get_interface(original):
     through ``__getitem__``), which pays for most of the wrapper frame around the kernel. Every
     case where the original does more than return an entry (``None``, an unknown name, which
     raises ``KeyError``, a ``paged|`` name from 5.19.0 on) still goes to the original, as does
-    every subclass and every mode but ``align`` outside ``torch.compile``.
+    every subclass and every mode but ``align`` outside ``torch.compile``. ``variant["strips_paged_prefix"]``
+    says which release's lookup the direct read mirrors (5.19.0 added the ``paged|`` prefix).
     """
     _register_compile_substitute()
     ALIGN, OFF = _guard.ALIGN, _guard.OFF
     lookup_class = _lookup_class(original)
-    try:
-        strips_paged_prefix = STRIPS_PAGED_PREFIX.get(fingerprint(original), True)
-    except (OSError, TypeError):
-        strips_paged_prefix = True
+    strips_paged_prefix = variant["strips_paged_prefix"]
 
     @wraps(original)
     def get_interface(self, attn_implementation, default):
@@ -307,10 +298,16 @@ PATCH = Patch(
             module=MODULE,
             qualname="AttentionInterface.get_interface",
             originals={
-                "a9d96a2a90be43b1c335d52304ae8e3efb2ab6c8dfce0251df7c840d0215fc85": "5.13.0-5.18.0",
-                "5c12a08a6f62f3b6695d5c2bf2d2f1fe40fb26475c9ceb03fa21841fe3ababdc": "5.19.0-5.24.0",
+                # 5.19.0 added the ``paged|`` prefix: a name ``paged|X`` (but ``paged|eager``) means ``X``.
+                "a9d96a2a90be43b1c335d52304ae8e3efb2ab6c8dfce0251df7c840d0215fc85": Variant(
+                    "5.13.0-5.18.0", {"strips_paged_prefix": False}
+                ),
+                "5c12a08a6f62f3b6695d5c2bf2d2f1fe40fb26475c9ceb03fa21841fe3ababdc": Variant(
+                    "5.19.0-5.24.0", {"strips_paged_prefix": True}
+                ),
             },
             replace=_replace_get_interface,
         ),
     ),
+    doctor=("cache-dtype-prefix",),
 )

@@ -55,7 +55,7 @@ MODULE = "transformers.generation.utils"
 QUALNAME = "GenerationMixin.prepare_inputs_for_generation"
 
 
-def _replace_prepare_inputs_for_generation(original):
+def _replace_prepare_inputs_for_generation(original, variant):
     import inspect
 
     from overlay.tree_move import move_tree
@@ -144,4 +144,5 @@ PATCH = Patch(
             replace=_replace_prepare_inputs_for_generation,
         ),
     ),
+    doctor=("host-inputs-static",),
 )

@@ -32,7 +32,7 @@ PATCH_ID = "executorch-cache-dtype"
 MODULE = "transformers.integrations.executorch"
 
 
-def _replace_init(original):
+def _replace_init(original, variant):
     @wraps(original)
     def __init__(self, model, *args, **kwargs):
         original(self, model, *args, **kwargs)

@@ -66,7 +66,7 @@ def _placement_from_tensors(model, cache):
     return None
 
 
-def make_replacement(original):
+def make_replacement(original, variant):
     @wraps(original)
     def _prepare_static_cache(self, *args, **kwargs):
         now = (self.device, self.dtype)

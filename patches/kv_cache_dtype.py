@@ -123,7 +123,7 @@ PATCH_ID = "kv-cache-dtype"
 CROSS_ATTR = "_attn_overlay_cross_attention_cache"
 
 
-def _replace_cache_update(original):
+def _replace_cache_update(original, variant):
     """``Cache.update`` with the dtype checks in front (see the module docstring)."""
     static_layer = original.__globals__.get("StaticLayer")
     sliding_layer = original.__globals__.get("StaticSlidingWindowLayer")
@@ -330,7 +330,7 @@ def _align_cross_layer(cross, layer_idx, key_states, value_states, mode, compili
             report.record(PATCH_ID, f"converted {stored.dtype} cross-attention cache {which} to {dtype}")
 
 
-def _replace_encoder_decoder_init(original):
+def _replace_encoder_decoder_init(original, variant):
     """``EncoderDecoderCache.__init__`` that tells the self-attention cache its cross-attention cache."""
 
     @wraps(original)
@@ -382,4 +382,5 @@ PATCH = Patch(
             replace=_replace_encoder_decoder_init,
         ),
     ),
+    doctor=("cache-dtype-static", "cache-dtype-prefix"),
 )

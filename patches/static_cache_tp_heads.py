@@ -66,7 +66,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 from overlay import report
-from overlay.patch import Patch, Target, wraps
+from overlay.patch import Patch, Target, Variant, wraps
 
 PATCH_ID = "static-cache-tp-heads"
 
@@ -175,7 +175,7 @@ def _effective_tp_plan(model: Any) -> Mapping[str, Any]:
     return plan if plan is not None else {}
 
 
-def make_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
+def make_replacement(original: Callable[..., Any], variant: Variant) -> Callable[..., Any]:
     @wraps(original)
     def _get_static_cache_init_shape(self):
         recorded = getattr(self, "_tp_size", None) or 1
@@ -233,4 +233,5 @@ PATCH = Patch(
             replace=make_replacement,
         ),
     ),
+    doctor=("tp-prefill-chunk",),
 )

@@ -40,7 +40,7 @@ import tokenize
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -48,16 +48,26 @@ import matrix_data  # noqa: E402  (the scripts folder is not a package)
 
 matrix_data.ensure_overlay_importable()
 
-from overlay.patch import Patch, code_in_module, fingerprint_source, source_in_module_text  # noqa: E402
+from overlay.patch import (  # noqa: E402, F401  (the match words are the tool's too)
+    ABSENT_OPTIONAL,
+    FIXED,
+    MISSING,
+    NEW,
+    ORIGINAL,
+    UNRECOGNISED,
+    Patch,
+    code_in_module,
+    fingerprint_source,
+    judge_code,
+    source_in_module_text,
+)
 
 DEFAULT_WHEEL_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attn-overlay" / "wheels"
 
-# How a target's code compares with what the patch knows.
-ORIGINAL = "original"  # a known original: the bug is there, the patch applies
-FIXED = "fixed"  # a known upstream fix
-NEW = "NEW"  # no known variant: the code changed
-MISSING = "missing"  # the module or the definition is not in this release
-ABSENT_OPTIONAL = "absent (optional)"  # missing, and the target says that is fine
+# How a target's code compares with what the patch knows: the engine's words (overlay.patch):
+# ORIGINAL (the bug is there, the patch applies), FIXED (a known upstream fix), NEW (no known
+# variant: the code changed), MISSING (not in this release), ABSENT_OPTIONAL (missing, and the
+# target says that is fine).
 
 # Reads one file of a release by its path inside the distribution ("transformers/..."):
 # its bytes, or None when the release has no such file.
@@ -192,36 +202,14 @@ class ReleaseReport:
         return [f"transformers {self.version}: {p.id}: {msg}" for p in self.patches for msg in p.notes]
 
 
-def classify_target(target, digest: str | None) -> tuple[str, str | None]:
-    if digest is None:
-        return (ABSENT_OPTIONAL if target.optional else MISSING), None
-    if digest in target.originals:
-        return ORIGINAL, target.originals[digest]
-    if digest in target.fixed:
-        return FIXED, target.fixed[digest]
-    return NEW, None
-
-
-def code_status(matches: Iterable[str]) -> str:
-    """What the engine concludes from the fingerprints alone (the version gate aside): every
-    target a known original -> applied; any target a known fix -> fixed upstream; otherwise
-    unrecognised code."""
-    matches = [m for m in matches if m != ABSENT_OPTIONAL]
-    if matches and all(m == ORIGINAL for m in matches):
-        return matrix_data.APPLIED
-    if FIXED in matches and not ({NEW, MISSING} & set(matches)):
-        return matrix_data.FIXED_UPSTREAM
-    return "unrecognised code"
-
-
 def report_patch(patch, version: str, read: ReadFile) -> PatchReport:
     report = PatchReport(id=patch.id, declared=matrix_data.expected_status(patch, version), code="")
-    for target in patch.targets:
-        digest = target_fingerprint(read, target.module, target.qualname)
-        match, label = classify_target(target, digest)
-        covers = label_covers(label, version) if label is not None else None
-        report.targets.append(TargetReport(target.module, target.qualname, digest, match, label, covers))
-    report.code = code_status(t.match for t in report.targets)
+    # The engine's own code verdict, on the release's files instead of its live functions.
+    verdict = judge_code(patch, lambda target: extract_target_source(read, target.module, target.qualname))
+    report.code = verdict.state
+    for m in verdict.matches:
+        covers = label_covers(m.label, version) if m.label is not None else None
+        report.targets.append(TargetReport(m.target.module, m.target.qualname, m.digest, m.match, m.label, covers))
 
     if report.declared == matrix_data.OUT_OF_RANGE:
         # Outside the patch's releases: the engine never looks at this code, nothing to fix here.
@@ -245,7 +233,7 @@ def report_patch(patch, version: str, read: ReadFile) -> PatchReport:
                 f"{where} is the {t.match} variant labelled {t.label!r}, which does not name {version}: "
                 "widen the label"
             )
-    if report.code != "unrecognised code" and report.code != report.declared:
+    if report.code != UNRECOGNISED and report.code != report.declared:
         report.problems.append(
             f"the patch declares {report.declared!r} for {version} (affected {patch.affected!r}, "
             f"fixed_in {patch.fixed_in!r}) but the code says {report.code!r}"

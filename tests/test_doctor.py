@@ -331,14 +331,26 @@ def test_exit_code_follows_the_with_overlay_verdict(monkeypatch, capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_the_module_is_callable_as_the_api(monkeypatch):
+def test_run_doctor_is_the_api(monkeypatch):
     import overlay
 
     calls = []
     monkeypatch.setattr(_runner, "run", lambda device, **kwargs: calls.append((device, kwargs)) or {"ok": True})
-    assert overlay.doctor(device="cuda", scenarios=["cache-dtype-static"]) == {"ok": True}
+    assert overlay.run_doctor(device="cuda", scenarios=["cache-dtype-static"]) == {"ok": True}
     assert calls[0][0] == "cuda" and calls[0][1]["scenarios"] == ["cache-dtype-static"]
 
 
 def test_importing_the_doctor_imports_neither_torch_nor_transformers():
     assert heavy_imports("overlay.doctor") == []
+
+
+def test_every_scenario_is_proven_by_a_patch_and_every_declared_scenario_exists():
+    # The patches say which scenarios prove them (Patch.doctor); the doctor keeps no list of ids.
+    from overlay.doctor._scenarios import BY_ID, SCENARIOS, patches_proving
+    from overlay.engine import known_patches
+
+    patches = known_patches()
+    declared = {scenario_id for p in patches for scenario_id in p.doctor}
+    assert declared <= set(BY_ID), f"patches name unknown doctor scenarios: {sorted(declared - set(BY_ID))}"
+    for scenario in SCENARIOS:
+        assert patches_proving(scenario.id, patches), f"no patch names the doctor scenario {scenario.id!r}"

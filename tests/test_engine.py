@@ -189,7 +189,7 @@ def test_apply_a_thousand_times_is_one_wrapper_level(toy):
 
 
 def test_a_patch_that_raises_leaves_every_target_untouched(toy):
-    def broken(original):
+    def broken(original, variant):
         raise RuntimeError("replacement exploded")
 
     core = toy.import_core()
@@ -206,7 +206,7 @@ def test_a_patch_that_raises_leaves_every_target_untouched(toy):
 
 
 def test_staticmethod_target_stays_a_staticmethod(toy):
-    def times_hundred(original):
+    def times_hundred(original, variant):
         @wraps(original)
         def scale(x):
             return original(x) * 10
@@ -226,9 +226,9 @@ def test_staticmethod_target_stays_a_staticmethod(toy):
 def test_concurrent_first_imports_from_threads_apply_once(toy):
     calls = []
 
-    def counting(original):
+    def counting(original, variant):
         calls.append(1)
-        return add_two(original)
+        return add_two(original, variant)
 
     barrier = threading.Barrier(8)
     results, errors = [], []
@@ -301,8 +301,8 @@ def test_a_patch_spanning_two_modules_is_refused():
         Patch(
             id="x", title="x", errors=(), why="", upstream="", affected=">=1", fixed_in=None,
             targets=(
-                Target(module="a", qualname="f", originals={}, replace=lambda f: f),
-                Target(module="b", qualname="g", originals={}, replace=lambda f: f),
+                Target(module="a", qualname="f", originals={}, replace=lambda f, variant: f),
+                Target(module="b", qualname="g", originals={}, replace=lambda f, variant: f),
             ),
         )
 
@@ -369,3 +369,44 @@ def test_reverted_block_and_a_second_apply_log_no_late_import_warning(toy, caplo
         engine.apply()  # a program calling apply() in a process the startup hook patched
         assert core.Mixin().compute(1) == 3
         assert "imported before the overlay was activated" not in caplog.text
+
+
+def _rewrite_core(toy, source):
+    """Change the toy module's code on disk (for a reload), past any cached bytecode."""
+    import shutil
+    from pathlib import Path
+
+    folder = Path(toy.root) / toy.name
+    (folder / "core.py").write_text(source)
+    shutil.rmtree(folder / "__pycache__", ignore_errors=True)
+    importlib.invalidate_caches()
+
+
+@pytest.mark.parametrize("block", ["none", "reverted", "applied-non-strict"])
+def test_strict_mode_survives_reverted_and_applied_blocks(toy, monkeypatch, block):
+    # The caller chose strict; a block that re-applies must not fall back to the environment's
+    # (or its own) mode afterwards: unrecognised code met after the block still raises.
+    monkeypatch.delenv("ATTN_OVERLAY_STRICT", raising=False)
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        engine.apply(strict=True)
+        core = toy.import_core()
+        assert core.Mixin().compute(1) == 3
+        if block == "reverted":
+            with engine.reverted():
+                assert core.Mixin().compute(1) == 2
+        elif block == "applied-non-strict":
+            with engine.applied(strict=False):
+                assert engine.settings().strict is False
+        assert core.Mixin().compute(1) == 3
+        assert engine.settings().strict is True
+        _rewrite_core(toy, CORE_SOURCE.replace("return x + 1", "return x + 10"))
+        with pytest.raises(OverlayError, match="not the code this patch was written for.*strict mode"):
+            importlib.reload(core)
+
+
+def test_apply_without_strict_keeps_the_mode_in_force(toy, monkeypatch):
+    monkeypatch.setenv("ATTN_OVERLAY_STRICT", "1")
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        engine.apply(strict=False)  # the caller's choice beats the environment
+        engine.apply()  # and a later apply() without one keeps it
+        assert engine.settings().strict is False

@@ -25,6 +25,8 @@ import matrix_data  # noqa: E402
 import overlay  # noqa: E402
 from overlay.patch import fingerprint, function_of  # noqa: E402
 
+pytestmark = pytest.mark.lane  # every release lane runs this module (noxfile.py)
+
 PATCHES = matrix_data.load_patches()
 TARGETS = [(patch, target) for patch in PATCHES for target in patch.targets]
 INSTALLED_VERSION, INSTALLED_ROOT = tool.installed_transformers()
@@ -32,13 +34,8 @@ INSTALLED_VERSION, INSTALLED_ROOT = tool.installed_transformers()
 
 def _runtime_function(target):
     """The target as the engine finds it: the raw object in its owner's namespace."""
-    owner = importlib.import_module(target.module)
-    *path, name = target.qualname.split(".")
-    for part in path:
-        owner = getattr(owner, part, None)
-        if owner is None:
-            return None
-    return function_of(vars(owner).get(name))
+    raw = target.locate(importlib.import_module(target.module))[2]
+    return None if raw is None else function_of(raw)
 
 
 @pytest.mark.parametrize("patch,target", TARGETS, ids=[f"{p.id}:{t.qualname}" for p, t in TARGETS])
@@ -175,47 +172,54 @@ def test_changed_target_is_flagged_new_and_fails_check(tmp_path, capsys):
     # Without --check the report is the same, and the exit status 0.
     assert tool.main([str(wheel)]) == 0
     text = capsys.readouterr().out
-    assert f"{changed['sha256']}  NEW" in text
+    assert f"{changed['sha256']}  {tool.NEW}" in text
+
+
+# Three versions of the toy target's source: the known original, the known fix, new code.
+TOY_SOURCE = {"a": "def method(self):\n    return 'original'\n", "b": "def method(self):\n    return 'fixed'\n",
+              "c": "def method(self):\n    return 'changed'\n"}
 
 
 def _toy_patch(**declared):
-    from overlay.patch import Patch, Target
+    from overlay.patch import Patch, Target, fingerprint_source
 
     target = Target(
         module="toy_module",
         qualname="Toy.method",
-        originals={"a" * 64: "5.13.0-5.14.1"},
-        fixed={"b" * 64: "5.20.0"},
-        replace=lambda original: original,
+        originals={fingerprint_source(TOY_SOURCE["a"]): "5.13.0-5.14.1"},
+        fixed={fingerprint_source(TOY_SOURCE["b"]): "5.20.0"},
+        replace=lambda original, variant: original,
     )
     fields = {"affected": ">=5.13.0,<5.20.0", "fixed_in": "5.20.0", **declared}
     return Patch(id="toy", title="toy", errors=(), why="", upstream="", targets=(target,), **fields)
 
 
-def _report(monkeypatch, patch, version, digest):
-    monkeypatch.setattr(tool, "target_fingerprint", lambda read, module, qualname: digest)
+def _report(monkeypatch, patch, version, code):
+    """The tool's report when the release's toy target is ``TOY_SOURCE[code]`` (``None``: absent)."""
+    source = None if code is None else TOY_SOURCE[code]
+    monkeypatch.setattr(tool, "extract_target_source", lambda read, module, qualname: source)
     return tool.report_patch(patch, version, read=lambda path: None)
 
 
 def test_known_variant_named_by_its_label_is_no_problem(monkeypatch):
-    report = _report(monkeypatch, _toy_patch(), "5.14.0", "a" * 64)
+    report = _report(monkeypatch, _toy_patch(), "5.14.0", "a")
     assert (report.declared, report.code, report.problems) == ("applied", "applied", [])
-    report = _report(monkeypatch, _toy_patch(), "5.20.0", "b" * 64)
+    report = _report(monkeypatch, _toy_patch(), "5.20.0", "b")
     assert (report.declared, report.code, report.problems) == ("fixed upstream", "fixed upstream", [])
 
 
 def test_code_that_contradicts_the_declared_versions_is_flagged(monkeypatch):
     # Declared fixed upstream, but the release still ships the original: fixed_in is wrong.
-    report = _report(monkeypatch, _toy_patch(), "5.20.0", "a" * 64)
+    report = _report(monkeypatch, _toy_patch(), "5.20.0", "a")
     assert report.code == "applied"
     assert any("declares 'fixed upstream'" in msg and "code says 'applied'" in msg for msg in report.problems)
     # Declared affected, but the release already ships the fix: affected is too wide.
-    report = _report(monkeypatch, _toy_patch(), "5.14.0", "b" * 64)
+    report = _report(monkeypatch, _toy_patch(), "5.14.0", "b")
     assert any("declares 'applied'" in msg and "code says 'fixed upstream'" in msg for msg in report.problems)
 
 
 def test_stale_label_is_flagged(monkeypatch):
-    report = _report(monkeypatch, _toy_patch(), "5.15.0", "a" * 64)
+    report = _report(monkeypatch, _toy_patch(), "5.15.0", "a")
     assert report.code == "applied"
     assert any("labelled '5.13.0-5.14.1', which does not name 5.15.0" in msg for msg in report.problems)
     assert tool.label_covers("5.13.0-5.14.1", "5.14.0") is True
@@ -224,11 +228,11 @@ def test_stale_label_is_flagged(monkeypatch):
 
 
 def test_new_and_missing_code_is_flagged_only_where_the_patch_applies(monkeypatch):
-    report = _report(monkeypatch, _toy_patch(), "5.14.0", "c" * 64)
+    report = _report(monkeypatch, _toy_patch(), "5.14.0", "c")
     assert report.code == "unrecognised code"
     assert any("matches no known variant" in msg for msg in report.problems)
     report = _report(monkeypatch, _toy_patch(), "5.14.0", None)
     assert any("does not exist in this release" in msg for msg in report.problems)
     # Before the bug: the engine never reads this code, so a different one is no problem.
-    report = _report(monkeypatch, _toy_patch(), "5.12.0", "c" * 64)
+    report = _report(monkeypatch, _toy_patch(), "5.12.0", "c")
     assert (report.declared, report.problems) == (matrix_data.OUT_OF_RANGE, [])

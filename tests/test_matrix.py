@@ -33,17 +33,15 @@ import overlay  # noqa: E402
 from overlay import engine  # noqa: E402
 from overlay.patch import PATCH_MARKER, fingerprint, source_of  # noqa: E402
 
+pytestmark = pytest.mark.lane  # every release lane runs this module (noxfile.py)
+
 INSTALLED = version("transformers")
 PATCHES = matrix_data.load_patches()
 EXPECTED = matrix_data.expected_statuses(INSTALLED, PATCHES)
 
 
 def _raw(module, qualname):
-    *path, name = qualname.split(".")
-    owner = module
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, name, vars(owner).get(name)
+    return next(t for p in PATCHES for t in p.targets if t.qualname == qualname).locate(module)
 
 
 def _function(raw):
@@ -70,7 +68,7 @@ def test_installed_release_gets_the_declared_status(patch):
             assert replacement.__wrapped__ is _function(before[target.qualname])
         # Each target matched a known original, and the status names which one.
         assert len(status.variants) == len(present)
-        assert set(status.variants) <= {label for t in present for label in t.originals.values()}
+        assert set(status.variants) <= {v.label for t in present for v in t.originals.values()}
     else:
         assert during == before, f"a {EXPECTED[patch.id]} patch changes nothing"
 

@@ -26,7 +26,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from overlay.patch import fingerprint
+from overlay.patch import Variant, fingerprint
 from overlay.testing.harness import PatchUnderTest, assert_generated, heavy_imports, run_json_worker
 
 PATCH = PatchUnderTest("device_move")
@@ -77,7 +77,7 @@ def test_fingerprint_of_installed_code_is_known_with_the_right_label():
     digest = fingerprint(GenerationMixin.__dict__["prepare_inputs_for_generation"])
     if AFFECTED:
         assert digest in target.originals
-        assert _label_contains(target.originals[digest], TRANSFORMERS_VERSION)
+        assert _label_contains(target.originals[digest].label, TRANSFORMERS_VERSION)
     elif FIXED_UPSTREAM:
         assert digest in target.fixed
         assert _label_contains(target.fixed[digest], TRANSFORMERS_VERSION)
@@ -89,7 +89,7 @@ def test_declared_labels_agree_with_the_version_range():
     patch = _patch()
     (target,) = patch.targets
     affected = SpecifierSet(patch.affected)
-    for label in target.originals.values():
+    for label in (variant.label for variant in target.originals.values()):
         for bound in label.split("-"):
             assert Version(bound) in affected, label
     for label in target.fixed.values():
@@ -152,7 +152,9 @@ def spied_wrapper(monkeypatch):
     monkeypatch.setattr(overlay.tree_move, "move_tree", spy)
 
     def build(original):
-        return _patch().targets[0].replace(original)
+        # Synthetic stand-ins of each release's signature: no release's fingerprint, so the
+        # replacement is built for them by hand (it reads nothing from its variant).
+        return _patch().targets[0].replace(original, Variant("synthetic"))
 
     return build, moves
 
@@ -225,7 +227,7 @@ def test_replacement_keeps_signature_docstring_and_wraps_the_original():
     from transformers.generation.utils import GenerationMixin
 
     original = GenerationMixin.__dict__["prepare_inputs_for_generation"]
-    replacement = _patch().targets[0].replace(original)
+    replacement = _patch().targets[0].build(original)
     assert replacement.__wrapped__ is original
     assert replacement.__doc__ == original.__doc__ and replacement.__name__ == original.__name__
     # generate() validates model kwargs against this signature.
@@ -426,7 +428,7 @@ def _worker(device_spec: str) -> dict:
     @contextlib.contextmanager
     def wrapped_by_hand():
         original = GenerationMixin.__dict__["prepare_inputs_for_generation"]
-        GenerationMixin.prepare_inputs_for_generation = PATCH.patch.targets[0].replace(original)
+        GenerationMixin.prepare_inputs_for_generation = PATCH.patch.targets[0].build(original)
         try:
             yield
         finally:

@@ -55,7 +55,7 @@ def test_installed_code_is_a_known_variant():
 
 def test_replacement_keeps_name_docstring_and_signature():
     stock = PATCH.stock()
-    replacement = PATCH.patch.targets[0].replace(stock)
+    replacement = PATCH.patch.targets[0].build(stock)
     assert replacement.__wrapped__ is stock
     assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
     assert inspect.signature(replacement) == inspect.signature(stock)

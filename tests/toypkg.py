@@ -73,7 +73,7 @@ def make_toy_package(tmp_path, version: str = "1.5.0", source: str = CORE_SOURCE
     return ToyPackage(name=name, root=str(root), module=f"{name}.core")
 
 
-def add_two(original):
+def add_two(original, variant):
     from overlay.patch import wraps
 
     @wraps(original)

@@ -14,9 +14,8 @@ the real failures of the installed transformers, and the with-overlay column sho
 The tensor-parallel scenario runs when the doctor is itself launched by torchrun with a world
 size above one (``torchrun --nproc-per-node 2 -m overlay.doctor``).
 
-API: :func:`run_doctor` returns the report (the ``--json`` document) without printing anything.
-After ``import overlay.doctor`` the module itself is callable: ``overlay.doctor(device="cuda")``
-is ``run_doctor(device="cuda")``. Importing this package imports neither torch nor transformers.
+API: :func:`run_doctor` (also ``overlay.run_doctor``) returns the report (the ``--json``
+document) without printing anything. Importing this package imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -24,13 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import types
 from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["run_doctor", "render", "main", "SCENARIO_IDS"]
 
-#: Scenario ids, in report order.
-SCENARIO_IDS = ("host-inputs-static", "cache-dtype-static", "cache-dtype-prefix", "tp-prefill-chunk")
+from ._scenarios import SCENARIO_IDS  # scenario ids, in report order
 
 
 def run_doctor(
@@ -120,13 +117,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _print_progress(line: str) -> None:
     print(f"doctor: {line}", file=sys.stderr, flush=True)
-
-
-class _CallableModule(types.ModuleType):
-    """``overlay.doctor(...)`` runs the doctor, once ``overlay.doctor`` has been imported."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return run_doctor(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

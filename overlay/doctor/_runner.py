@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable, Iterable
 
 from . import _env
-from ._scenarios import BY_ID, SCENARIOS, Scenario
+from ..engine import known_patches
+from ._scenarios import BY_ID, SCENARIOS, Scenario, patches_proving
 
 MODES = ("without", "with")
 DEFAULT_TIMEOUT_S = 300.0
@@ -301,7 +302,8 @@ def _tail(path: str, count: int) -> list[str]:
 
 
 def _scenario_report(scenario: Scenario, results: dict) -> dict:
-    entry: dict[str, Any] = {"id": scenario.id, "title": scenario.title, "patches": list(scenario.patches)}
+    proven_by = patches_proving(scenario.id, known_patches())
+    entry: dict[str, Any] = {"id": scenario.id, "title": scenario.title, "patches": list(proven_by)}
     if (scenario.id, "with") not in results:
         entry["status"] = "skipped"
         entry["why"] = (
@@ -312,7 +314,7 @@ def _scenario_report(scenario: Scenario, results: dict) -> dict:
     without, with_ = results[(scenario.id, "without")], results[(scenario.id, "with")]
     for result in (without, with_):
         result["patches"] = {
-            s["id"]: s["state"] for s in result.get("patch_status", ()) if s["id"] in scenario.patches
+            s["id"]: s["state"] for s in result.get("patch_status", ()) if s["id"] in proven_by
         }
     # The overlay's tokens against the stock reference runs of the other process: the fix must
     # give what upstream gives where upstream works.

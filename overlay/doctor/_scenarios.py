@@ -24,9 +24,11 @@ PROMPT_LENGTHS = (6, 4)  # a left-padded batch of two
 
 @dataclass(frozen=True)
 class Scenario:
+    """One scenario. The patches it proves are not listed here: each patch names its scenarios
+    (``Patch.doctor``), see :func:`patches_proving`."""
+
     id: str
     title: str
-    patches: tuple[str, ...]  # the overlay patches that fix what it exercises
     distributed: bool = False  # needs torchrun with world size > 1
 
 
@@ -34,27 +36,29 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "host-inputs-static",
         "host-side padded inputs, cache_implementation='static', model on the device",
-        ("device-move-nested",),
     ),
     Scenario(
         "cache-dtype-static",
         "user StaticCache early-initialised in float32, bfloat16 model",
-        ("kv-cache-dtype",),
     ),
     Scenario(
         "cache-dtype-prefix",
         "DynamicCache prefix computed in float32, bfloat16 decoding",
-        ("kv-cache-dtype", "attention-guard"),
     ),
     Scenario(
         "tp-prefill-chunk",
         "tensor parallel, static cache, prefill_chunk_size, attention left unsharded",
-        ("static-cache-tp-heads",),
         distributed=True,
     ),
 )
 
 BY_ID = {s.id: s for s in SCENARIOS}
+SCENARIO_IDS: tuple[str, ...] = tuple(BY_ID)
+
+
+def patches_proving(scenario_id: str, patches) -> tuple[str, ...]:
+    """Ids of the patches (of ``patches``) that name ``scenario_id`` in their ``doctor`` field."""
+    return tuple(p.id for p in patches if scenario_id in p.doctor)
 
 
 # -- helpers for the scenario subprocess ------------------------------------------------------

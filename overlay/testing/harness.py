@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-from ..patch import PATCH_MARKER, Patch
+from ..patch import Patch
 
 __all__ = ["PatchUnderTest", "run_json_worker", "assert_generated", "heavy_imports"]
 
@@ -106,13 +106,9 @@ class PatchUnderTest:
         """The installed release's own function for ``patch.targets[target]``, even where the
         overlay has replaced it in this process (imports the target's module)."""
         spec = self.patch.targets[target]
-        owner: Any = importlib.import_module(spec.module)
-        *path, name = spec.qualname.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        func = vars(owner)[name]
-        while getattr(func, PATCH_MARKER, None) is not None:
-            func = func.__wrapped__
+        func = spec.stock(importlib.import_module(spec.module))
+        if func is None:
+            raise AttributeError(f"{spec.key} does not exist in transformers {self.transformers}")
         return func
 
     @contextlib.contextmanager

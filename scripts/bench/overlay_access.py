@@ -1,15 +1,13 @@
 """How the worker processes reach the overlay and the functions they compare (worker side only).
 
-The overlay is imported from this checkout. Installed (``pip install -e .`` or the wheel), the
-repo's ``patches/`` folder is importable as ``overlay.patches``; from a bare checkout on
-``PYTHONPATH`` (e.g. the lent GPU machine, where nothing is installed) it is not, so
-:func:`ensure_overlay_importable` maps it there the way ``setup.py``'s ``package_dir`` does.
+The overlay is imported from this checkout (installed, or a bare checkout on ``PYTHONPATH``, e.g.
+the lent GPU machine): either way ``overlay.patches`` is importable, because the package maps a
+source tree's ``patches/`` itself (``overlay/__init__.py``) and the wheel installs it in place.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -22,49 +20,24 @@ DEVICE_MOVE_ID = "device-move-nested"
 
 
 def ensure_overlay_importable(root: str | None = None) -> str:
-    """Make ``overlay.patches`` importable; returns how the overlay was found (for the report).
+    """Import the overlay and its patches; returns where they came from (for the report).
 
     ``root``: import the overlay from that checkout instead (``--overlay-root``). It goes first on
-    ``sys.path`` (before the working directory, which ``python -m`` puts there), and its
-    ``patches/`` is mapped to ``overlay.patches`` explicitly: an editable install's import finder
-    would otherwise resolve ``overlay.patches`` to the installed checkout's folder.
+    ``sys.path`` (before the working directory, which ``python -m`` puts there); the checkout's
+    own ``overlay/__init__.py`` maps its ``patches/``.
     """
     if root:
-        return _overlay_from(Path(root).resolve())
+        root_path = Path(root).resolve()
+        if "overlay" in sys.modules:
+            raise RuntimeError(f"overlay already imported from {sys.modules['overlay'].__file__}, cannot switch to {root_path}")
+        sys.path.insert(0, str(root_path))
     import overlay
 
-    try:
-        importlib.import_module("overlay.patches")
-        return f"installed ({overlay.__file__})"
-    except ModuleNotFoundError:
-        pass
-    _map_patches(overlay, REPO)
-    return f"source checkout ({REPO}; patches/ mapped to overlay.patches)"
-
-
-def _map_patches(overlay, root: Path) -> None:
-    """Load ``root/patches`` as ``overlay.patches``: checkouts older than the source tree's own
-    mapping (``overlay/__init__.py``) need it, e.g. the "before" checkout of a comparison."""
-    spec = importlib.util.spec_from_file_location(
-        "overlay.patches", root / "patches" / "__init__.py", submodule_search_locations=[str(root / "patches")]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["overlay.patches"] = module
-    spec.loader.exec_module(module)
-    overlay.patches = module
-
-
-def _overlay_from(root: Path) -> str:
-    if "overlay" in sys.modules:
-        raise RuntimeError(f"overlay already imported from {sys.modules['overlay'].__file__}, cannot switch to {root}")
-    sys.path.insert(0, str(root))
-    import overlay
-
+    patches = importlib.import_module("overlay.patches")
     found = Path(overlay.__file__).resolve()
-    if root not in found.parents:
+    if root and Path(root).resolve() not in found.parents:
         raise RuntimeError(f"--overlay-root {root}: import overlay resolved to {found}")
-    _map_patches(overlay, root)
-    return f"--overlay-root checkout ({found.parent}; patches/ mapped to overlay.patches)"
+    return f"{'--overlay-root checkout' if root else 'overlay'} ({found.parent}; patches from {Path(patches.__file__).parent})"
 
 
 def overlay_files() -> dict[str, str]:
@@ -89,9 +62,7 @@ def quiet_overlay_logs() -> None:
 def registered_patch_ids() -> list[str]:
     from overlay import engine
 
-    # known_patches() is the public accessor; older checkouts (--overlay-root) only had _load_patches().
-    known = getattr(engine, "known_patches", None) or engine._load_patches
-    return [p.id for p in known()]
+    return [p.id for p in engine.known_patches()]
 
 
 def patch_files_on_disk() -> list[str]:
@@ -127,18 +98,9 @@ def gate_device_move(stock: Any) -> tuple[bool, str]:
     two checks: installed version in the patch's range, source fingerprint a known original."""
     from importlib.metadata import version
 
-    from overlay.engine import APPLIED, PENDING, gate
-    from overlay.patch import fingerprint
+    from overlay.patch import APPLIED, assess, source_of
 
-    patch = device_move_patch()
-    installed = version("transformers")
-    state, reason = gate(patch, installed)
-    if state != PENDING:
-        return False, f"{state}: {reason}"
-    target = patch.targets[0]
-    digest = fingerprint(stock)
-    if digest in target.fixed:
-        return False, f"fixed upstream: the installed function is the fixed code ({target.fixed[digest]})"
-    if digest not in target.originals:
-        return False, f"unrecognised code: sha256 {digest[:12]} is not a known original"
-    return True, f"{APPLIED} would be: matches {target.originals[digest]}"
+    verdict = assess(device_move_patch(), version("transformers"), lambda target: source_of(stock))
+    if verdict.state != APPLIED:
+        return False, f"{verdict.state}: {verdict.reason}"
+    return True, f"{APPLIED} would be: matches {', '.join(verdict.labels)}"

@@ -5,7 +5,7 @@ tiny Gemma 3 with a static cache (its attention mask is a dict keyed by layer ty
 
 ``overlay``
     the device-move patch's replacement, built from the installed function exactly as the engine
-    builds it (``PATCH.targets[0].replace(stock)``), after the same version and fingerprint gate;
+    builds it (``PATCH.targets[0].build(stock)``), after the same version and fingerprint gate;
 ``upstream-5.20``
     the installed (stock, affected) function with its step 6 -- the loop that moves top-level
     tensors -- replaced by 5.20.0's line ``model_inputs = move_to_device(model_inputs, self.device)``,
@@ -190,7 +190,7 @@ def worker(payload: dict[str, Any]) -> dict[str, Any]:
     if not applies:
         return {"status": NOT_RUN, "reason": f"device-move-nested does not apply here ({gate_reason})",
                 "details": details, "cases": []}
-    overlay_fn = device_move_patch().targets[0].replace(stock)
+    overlay_fn = device_move_patch().targets[0].build(stock)
     upstream_fn, how = upstream_5_20_variant(stock)
     details["upstream_5_20"] = how
     if upstream_fn is None:
