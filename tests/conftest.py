@@ -5,7 +5,9 @@ Tests decide for themselves when the overlay is on (``overlay.applied()``) and o
 every subprocess it starts, before anything imports transformers.
 
 Shared by every module: the markers (``slow``, ``gpu``: a ``gpu`` test is skipped where CUDA is
-not available) and the ``one_thread`` fixture. Tiny models, tensor-parallel plans, the patch under
+not available; ``patch``: set here on every test of a module that holds a ``PatchUnderTest``,
+naming its patches, so that each release lane runs every test of every patch, by patch and not
+by file name; ``lane``: the matrix checks every lane runs too) and the ``one_thread`` fixture. Tiny models, tensor-parallel plans, the patch under
 test and the error texts a test expects come from ``overlay.testing`` (``models``,
 ``tensor_parallel``, ``harness``), which the doctor and the benchmarks use too.
 """
@@ -19,12 +21,33 @@ import pytest  # noqa: E402
 MARKERS = {
     "slow": "long lanes (multi-process, many releases); run with `-m slow` or the matrix",
     "gpu": "needs a CUDA device; skipped elsewhere",
+    "patch(*ids)": "proves these patches (set from the module's PatchUnderTest); every release lane runs it",
+    "lane": "checks the installed release against the matrix; every release lane runs it",
 }
 
 
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def patches_under_test(module) -> tuple[str, ...]:
+    """Ids of the patches a test module proves: its module-level ``PatchUnderTest`` objects."""
+    from overlay.testing.harness import PatchUnderTest
+
+    return tuple(sorted({v.id for v in vars(module).values() if isinstance(v, PatchUnderTest)}))
+
+
+def pytest_collection_modifyitems(config, items):
+    by_module = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        if module not in by_module:
+            by_module[module] = patches_under_test(module)
+        if by_module[module]:
+            item.add_marker(pytest.mark.patch(*by_module[module]))
 
 
 def pytest_runtest_setup(item):

@@ -1,13 +1,19 @@
-"""The import drawing of the package: every arrow runs down a floor, never back up.
+"""The import drawing of the package: every arrow runs down a floor, never along one or back up.
 
 Floors, top to bottom:
-  4  ``overlay/__init__`` (the public API facade) and ``overlay/apply.py`` / ``__main__``
-  3  tools: ``overlay.cli``, ``overlay.doctor``, ``overlay.testing``
-  2  the engine: ``overlay.engine``, ``overlay.registry`` and the patch files ``overlay.patches``
-  1  leaves: ``overlay.patch``, ``overlay.config``, ``overlay.report``, ``overlay.guard``,
-     ``overlay.tree_move``, ``overlay._version`` (and the startup module ``_attn_overlay_startup``)
-A module may import its own floor or lower floors; importing the facade's attributes (``import
-overlay`` then ``overlay.x``, ``from overlay import apply``) from inside the package is an arrow up.
+  7  ``overlay/__init__`` (the public API facade), ``overlay/apply.py`` and ``__main__`` (``-m`` entries)
+  6  tools: ``overlay.cli``, ``overlay.doctor``
+  5  the test kit: ``overlay.testing``
+  4  the engine: ``overlay.engine`` (gates, applies, reverts: knows no single patch)
+  3  the registry: ``overlay.registry`` (which patch files ship)
+  2  the patch files: ``overlay.patches`` (data and replacements; they import leaves only)
+  1  leaves: ``overlay.patch`` (the patch format and the verdict), ``overlay.config``,
+     ``overlay.report``, ``overlay.guard``, ``overlay.tree_move``, ``overlay._version`` (and the
+     startup module ``_attn_overlay_startup``)
+A module imports only modules on lower floors. The one exception is a subpackage's own modules
+(``overlay.doctor._runner`` importing ``overlay.doctor._scenarios``): one unit, one floor.
+Importing the facade's attributes (``import overlay`` then ``overlay.x``, ``from overlay import
+apply``) from inside the package is an arrow up.
 """
 
 from __future__ import annotations
@@ -18,12 +24,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 FLOORS = {
-    "overlay": 4, "overlay.apply": 4, "overlay.__main__": 4,
-    "overlay.cli": 3, "overlay.doctor": 3, "overlay.testing": 3,
-    "overlay.engine": 2, "overlay.registry": 2, "overlay.patches": 2,
+    "overlay": 7, "overlay.apply": 7, "overlay.__main__": 7,
+    "overlay.cli": 6, "overlay.doctor": 6,
+    "overlay.testing": 5,
+    "overlay.engine": 4,
+    "overlay.registry": 3,
+    "overlay.patches": 2,
     "overlay.patch": 1, "overlay.config": 1, "overlay.report": 1, "overlay.guard": 1, "overlay.tree_move": 1,
     "overlay._version": 1, "_attn_overlay_startup": 1,
 }
+#: Subpackages whose modules may import each other (one unit on one floor).
+UNITS = ("overlay.doctor", "overlay.testing", "overlay.patches")
 
 
 def _floor(module: str) -> int:
@@ -80,6 +91,18 @@ def test_no_import_runs_back_up_a_floor():
                 continue
             if imported == name or name.startswith(imported + ".") and imported != "overlay":
                 continue  # a package's own parent package, as the import system loads it anyway
-            if _floor(imported) > _floor(name) or (imported == "overlay" and name != "overlay"):
+            same_unit = any(_in(name, unit) and _in(imported, unit) for unit in UNITS)
+            if (_floor(imported) >= _floor(name) and not same_unit) or (imported == "overlay" and name != "overlay"):
                 upward.append(f"{path.relative_to(REPO)}:{line}: {name} (floor {_floor(name)}) imports {imported}")
     assert upward == []
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_drawing_catches_an_arrow_along_a_floor():
+    # The check itself: the engine importing the registry runs down; the reverse, or the engine
+    # importing a sibling floor's module, is refused.
+    assert _floor("overlay.engine") > _floor("overlay.registry") > _floor("overlay.patches.device_move")
+    assert not any(_in("overlay.engine", unit) and _in("overlay.registry", unit) for unit in UNITS)
