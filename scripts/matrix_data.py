@@ -30,6 +30,24 @@ REPO = Path(__file__).resolve().parent.parent
 #: release: run ``scripts/fingerprint_release.py --check NEW``, update the patch files it flags,
 #: append the release here, then ``python scripts/readme_table.py``.
 RELEASES: tuple[str, ...] = (
+    # The pinned accelerator stacks' releases: the newest patch release of each minor 4.55 - 5.12.
+    "4.55.4",
+    "4.56.2",
+    "4.57.6",
+    "5.0.0",
+    "5.1.0",
+    "5.2.0",
+    "5.3.0",
+    "5.4.0",
+    "5.5.4",
+    "5.6.2",
+    "5.7.0",
+    "5.8.1",
+    "5.9.0",
+    "5.10.4",
+    "5.11.0",
+    "5.12.1",
+    # Every release since the first the overlay covered.
     "5.13.0",
     "5.13.1",
     "5.14.0",
@@ -59,6 +77,13 @@ FULL_SUITE_RELEASE = "5.18.0"
 
 #: The one torch every lane shares: the CPU build that lies on this kind of machine's disk.
 TORCH = "2.13.0"
+
+#: Releases that accelerator stacks pin (read from the stacks' own package metadata): CI runs
+#: their lanes whatever the patches' ranges say, because that is where users cannot upgrade.
+PINNED_BY_STACKS: dict[str, str] = {
+    "4.57.6": "optimum-neuron 0.4.x (transformers~=4.57.1)",
+    "5.0.0": "optimum-executorch 1.1.0 (transformers==5.0.0rc1; 5.0.0 is its release)",
+}
 
 def ensure_overlay_importable() -> None:
     """Make this checkout's ``overlay`` importable (first on ``sys.path`` when nothing imported
@@ -113,11 +138,12 @@ def representative_releases(
     releases: Sequence[str] = RELEASES, patches: Sequence | None = None
 ) -> tuple[str, ...]:
     """The subset CI runs: for every bug that upstream fixed, the oldest and the newest release
-    the patch applies to (each original variant family's two ends), plus the newest release
-    (where those patches must step aside as "fixed upstream"). Oldest first."""
+    the patch applies to (each original variant family's two ends), the releases accelerator
+    stacks pin (:data:`PINNED_BY_STACKS`), plus the newest release (where those patches must
+    step aside as "fixed upstream"). Oldest first."""
     patches = patches if patches is not None else load_patches()
     table = matrix(releases, patches)
-    picked = {releases[-1]}
+    picked = {releases[-1], *(r for r in PINNED_BY_STACKS if r in releases)}
     for patch in patches:
         if patch.fixed_in is None:
             continue

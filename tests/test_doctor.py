@@ -354,3 +354,22 @@ def test_every_scenario_is_proven_by_a_patch_and_every_declared_scenario_exists(
     assert declared <= set(BY_ID), f"patches name unknown doctor scenarios: {sorted(declared - set(BY_ID))}"
     for scenario in SCENARIOS:
         assert patches_proving(scenario.id, patches), f"no patch names the doctor scenario {scenario.id!r}"
+
+
+@pytest.mark.parametrize(
+    "release,not_here",
+    [
+        ("5.18.0", set()),  # every scenario's bug is there
+        ("5.24.0", set()),  # fixed upstream: still run (stock must pass, and so must the overlay)
+        ("4.0.0", {"host-inputs-static", "cache-dtype-static", "cache-dtype-prefix", "tp-prefill-chunk"}),
+    ],
+)
+def test_scenarios_whose_bug_is_not_in_the_release_are_skipped_with_the_reason(monkeypatch, release, not_here):
+    from overlay import engine
+    from overlay.doctor._scenarios import SCENARIOS
+
+    monkeypatch.setattr(engine, "installed_transformers_version", lambda: release)
+    skipped = _runner._not_on_this_release(SCENARIOS)
+    assert set(skipped) == not_here
+    for why in skipped.values():
+        assert why.startswith(f"not a bug on transformers {release} (") and "covers transformers" in why
