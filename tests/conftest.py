@@ -32,9 +32,12 @@ def pytest_configure(config):
 
 
 def patches_under_test(module) -> tuple[str, ...]:
-    """Ids of the patches a test module proves: its module-level ``PatchUnderTest`` objects."""
+    """Ids of the patches a test module proves: its module-level ``PatchUnderTest`` objects
+    (none for a module that says ``LANE = False``: a tool's tests that borrow a patch's texts)."""
     from overlay.testing.harness import PatchUnderTest
 
+    if not getattr(module, "LANE", True):
+        return ()
     return tuple(sorted({v.id for v in vars(module).values() if isinstance(v, PatchUnderTest)}))
 
 

@@ -30,6 +30,8 @@ from overlay.doctor import _env, _runner
 from overlay.doctor._env import Accelerator, DeviceChoiceError, choose_device
 from overlay.testing.harness import PatchUnderTest, heavy_imports
 
+# The doctor's own tests (a tool): the whole suite runs them; the release lanes run the patches'.
+LANE = False
 DEVICE_MOVE = PatchUnderTest("device_move")
 KV_CACHE_DTYPE = PatchUnderTest("kv_cache_dtype")
 TP_HEADS = PatchUnderTest("static_cache_tp_heads")

@@ -156,7 +156,11 @@ def test_unchanged_release_passes_check_and_reports_known_variants(tmp_path, cap
 
 
 def test_changed_target_is_flagged_new_and_fails_check(tmp_path, capsys):
-    patch = PATCHES[0]
+    # A patch whose code this release ships as a known variant (the change must be the only new one).
+    covering = [p for p in PATCHES if matrix_data.expected_status(p, INSTALLED_VERSION) != matrix_data.OUT_OF_RANGE]
+    if not covering:
+        pytest.skip(f"no patch covers transformers {INSTALLED_VERSION}")
+    patch = covering[0]
     target = next(t for t in patch.targets if _runtime_function(t) is not None)
     wheel = _wheel_from_installed(tmp_path, INSTALLED_VERSION, change=(target.module, target.qualname))
 
@@ -169,7 +173,12 @@ def test_changed_target_is_flagged_new_and_fails_check(tmp_path, capsys):
     changed = by_target.pop((patch.id, target.qualname))
     assert changed["match"] == tool.NEW and changed["label"] is None
     assert len(changed["sha256"]) == 64
-    assert all(t["match"] != tool.NEW for t in by_target.values()), "only the changed target is new"
+    # Only the changed target is new, of the code the patches know on this release (outside a
+    # patch's range its code may be anything: 5.12.1's prepare_inputs_for_generation, say).
+    known_here = {p.id for p in covering}
+    assert all(t["match"] != tool.NEW for (pid, _), t in by_target.items() if pid in known_here), (
+        "only the changed target is new"
+    )
     patch_report = next(p for p in release["patches"] if p["id"] == patch.id)
     assert patch_report["code"] == "unrecognised code"
     if patch_report["declared"] != matrix_data.OUT_OF_RANGE:

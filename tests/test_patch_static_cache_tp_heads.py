@@ -39,6 +39,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 
 PATCH_UNDER_TEST = PatchUnderTest("static_cache_tp_heads")
+PATCH_UNDER_TEST.skip_module_unless_covered()  # _get_static_cache_init_shape arrived in 5.13.0
 PATCH_MODULE = PATCH_UNDER_TEST.patch_module
 PATCH = PATCH_UNDER_TEST.patch
 TARGET = PATCH.targets[0]
