@@ -50,10 +50,11 @@ class FreshEnv:
         return {str(p.relative_to(self.site_packages)) for p in self.site_packages.rglob("*")}
 
 
-def build_wheel(out_dir: Path) -> Path:
-    """Build the project's wheel with the runner's own setuptools (no network, no isolation)."""
+def build_wheel(out_dir: Path, source: Path = REPO) -> Path:
+    """Build the project's wheel with the runner's own setuptools (no network, no isolation);
+    ``source``: another checkout of the project (the benchmarks' ``--overlay-root``, a BEFORE)."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out_dir), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out_dir), str(source)],
         check=True, capture_output=True, text=True, timeout=300,
     )
     (wheel,) = out_dir.glob("attn_overlay-*.whl")

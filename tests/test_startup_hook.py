@@ -54,6 +54,22 @@ def fresh(tmp_path_factory, wheel):
     return env
 
 
+HOOK_FILES = ("attn_overlay.pth", "attn_overlay.start")
+
+
+@pytest.fixture(scope="module")
+def no_pth(tmp_path_factory, fresh):
+    """``fresh``'s site-packages without the hook files (copied: a second pip install costs
+    seconds): the interpreter never imports the startup module there. ``ATTN_OVERLAY=0`` would not
+    do as a baseline: the ``.pth`` line still runs and imports the module."""
+    import shutil
+
+    env = make_fresh_env(tmp_path_factory.mktemp("venv-no-pth") / "env")
+    shutil.copytree(fresh.site_packages, env.site_packages, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", *HOOK_FILES))
+    return env
+
+
 def _last_json(done):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -87,6 +103,29 @@ def test_hook_does_not_import_heavy_modules_at_startup(fresh):
     assert _last_json(done) == []
     done = fresh.run("-c", "import sys; print(any(type(f).__name__ == 'PostImportFinder' for f in sys.meta_path))")
     assert done.stdout.strip() == "True"
+
+
+# Nothing imported before the snapshot: sorted() and print() are builtins.
+STARTUP_MODULES = (
+    "import sys; print(sorted(sys.modules)); "
+    "print([type(f).__name__ for f in sys.meta_path])"
+)
+
+
+def test_hook_imports_nothing_a_bare_interpreter_does_not(fresh, no_pth):
+    # Every module imported at start is paid by every Python process of the environment: the
+    # hook may add itself, and nothing else (no threading, functools, collections...).
+    import ast
+
+    def at_start(env):
+        modules, finders = env.run("-c", STARTUP_MODULES).stdout.splitlines()[-2:]
+        return set(ast.literal_eval(modules)), ast.literal_eval(finders)
+
+    with_hook, finders_with_hook = at_start(fresh)
+    without, finders_without = at_start(no_pth)
+    assert "PostImportFinder" in finders_with_hook and "PostImportFinder" not in finders_without
+    assert sorted(with_hook - without) == ["_attn_overlay_startup"], "imported at start because of the hook"
+    assert sorted(without - with_hook) == []
 
 
 def test_spawn_child_is_patched_too(fresh, tmp_path):

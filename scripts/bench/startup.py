@@ -8,6 +8,11 @@ That is the true baseline: with ``ATTN_OVERLAY=0`` the ``.pth`` line still runs 
 ``_attn_overlay_startup`` (which then installs nothing), so ``ATTN_OVERLAY=0`` is measured as a
 third variant, for information. Both environments see torch and transformers through one path
 line to the bench interpreter's site-packages (a path line only: no other ``.pth`` is processed).
+The wheel is built from this checkout, or from ``--overlay-root DIR`` when given (a BEFORE: e.g.
+``git archive OLD | tar -x -C DIR``), measured by this same benchmark code.
+
+    python -m scripts.bench --only 1 --no-chart                          # this checkout's hook
+    python -m scripts.bench --only 1 --no-chart --overlay-root /tmp/old  # another checkout's
 
 Figure 1: ``python -c pass``, wall time of the whole process, variants interleaved.
 Figure 2: the first ``import transformers.generation.utils`` in a fresh interpreter, timed inside
@@ -70,10 +75,16 @@ class Environments:
             sys.path.insert(0, str(common.REPO))
         from tests.freshenv import build_wheel, install_wheel, make_fresh_env
 
+        # --overlay-root: the other checkout's wheel, so that figures 1-2 measure the same overlay
+        # as the workers of the other figures (and as the report's header says).
+        self.source = Path(common.OVERLAY_ROOT) if common.OVERLAY_ROOT else common.REPO
+        if not any((self.source / name).is_file() for name in ("setup.py", "pyproject.toml")):
+            raise RuntimeError(f"--overlay-root {self.source} is not a checkout of attn-overlay (no setup.py or "
+                               "pyproject.toml): figures 1-2 build the startup hook's wheel from it")
         self.root = Path(tempfile.mkdtemp(prefix="attn-overlay-bench-"))
         started = time.perf_counter()
         try:
-            wheel = build_wheel(self.root / "wheel")
+            wheel = build_wheel(self.root / "wheel", self.source)
             self.hook = make_fresh_env(self.root / "hook")
             install_wheel(self.hook, wheel)
             self.no_pth = make_fresh_env(self.root / "no-pth")
@@ -221,7 +232,7 @@ def run(smoke: bool, options: dict[str, Any], wanted: set[int]) -> list[Figure]:
                 if n in wanted]
     figures = []
     try:
-        setup = {"wheel": envs.wheel, "setup_seconds": round(envs.setup_seconds, 1)}
+        setup = {"wheel": envs.wheel, "wheel_source": str(envs.source), "setup_seconds": round(envs.setup_seconds, 1)}
         for number, build in ((FIGURE_START, figure_start), (FIGURE_IMPORT, figure_import)):
             if number not in wanted:
                 continue
