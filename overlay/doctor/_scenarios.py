@@ -46,6 +46,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         "DynamicCache prefix computed in float32, bfloat16 decoding",
     ),
     Scenario(
+        "kept-static-cache",
+        "a static cache kept on the model across generate() calls: after .to(dtype), .to(device), a failed call",
+    ),
+    Scenario(
         "tp-prefill-chunk",
         "tensor parallel, static cache, prefill_chunk_size, attention left unsharded",
         distributed=True,
@@ -232,6 +236,85 @@ def run_cache_dtype_prefix(device, **_) -> list[dict]:
     return cases
 
 
+def _kept_generate(model, inputs: dict) -> list:
+    """A static-cache ``generate()`` that keeps what generate keeps on the model (unlike
+    :func:`_generate`, which drops a kept cache first): what a user calling generate twice meets."""
+    import torch
+
+    from overlay.testing.models import PAD_TOKEN_ID
+
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, disable_compile=True,
+            pad_token_id=PAD_TOKEN_ID, cache_implementation="static",
+        )
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    return sequences.cpu().tolist()
+
+
+def run_kept_static_cache(device, **_) -> list[dict]:
+    """generate() keeps its static cache on the model (up to 5.14.x) and reuses it when only the
+    model changed: after ``model.to(torch.bfloat16)``, after ``model.to(device)`` (from the host),
+    and after a call that failed before its first cache write (an out-of-memory prefill, a Ctrl-C:
+    simulated by a hook that raises in the first decoder layer), which leaves the kept cache
+    half-built. Reference: a fresh copy of the model in its final dtype and place. The fix:
+    ``kept-static-cache`` (upstream since 5.15.0, where generate builds a new cache per call;
+    the failed-call case is gone from 5.13.0)."""
+    import torch
+
+    from overlay.testing.models import left_padded_batch, on_device, tiny_model
+
+    batch = left_padded_batch(PROMPT_LENGTHS)
+    cases = []
+    for kind in ("llama", "gemma3"):
+
+        def after_dtype_change(kind=kind):
+            model = tiny_model(kind, dtype=torch.float32, device=device)
+            _kept_generate(model, on_device(batch, device))  # keeps a float32 cache
+            return _kept_generate(model.to(torch.bfloat16), on_device(batch, device))
+
+        def fresh_bfloat16(kind=kind):
+            return _kept_generate(tiny_model(kind, dtype=torch.bfloat16, device=device), on_device(batch, device))
+
+        cases.append(run_case(f"{kind}, kept cache after .to(torch.bfloat16)", False, fresh_bfloat16, after_dtype_change))
+
+        def after_device_move(kind=kind):
+            model = tiny_model(kind, device="cpu")
+            _kept_generate(model, batch)  # keeps a cache on the host
+            return _kept_generate(model.to(device), on_device(batch, device))
+
+        def fresh_on_device(kind=kind):
+            return _kept_generate(tiny_model(kind, device=device), on_device(batch, device))
+
+        # On the host itself (--device cpu) nothing moves: the case is a control there.
+        on_host = torch.device(device).type == "cpu"
+        cases.append(run_case(
+            f"{kind}, kept cache after .to({device})" + (" (control)" if on_host else ""),
+            on_host, fresh_on_device, after_device_move,
+        ))
+
+        def after_failed_call(kind=kind):
+            model = tiny_model(kind, device=device)
+            # The call fails in the first decoder layer, before any cache write, as an
+            # out-of-memory prefill or a Ctrl-C would (not an out-of-vocabulary id: on CUDA that
+            # is a device-side assert that ends the whole process).
+            def fail(module, args):
+                raise RuntimeError("simulated failure before the first cache write")
+
+            hook = model.get_decoder().layers[0].register_forward_pre_hook(fail)
+            try:
+                _kept_generate(model, on_device(batch, device))
+            except RuntimeError as exc:
+                if "simulated failure" not in str(exc):
+                    raise
+            finally:
+                hook.remove()
+            return _kept_generate(model, on_device(batch, device))
+
+        cases.append(run_case(f"{kind}, valid call after a failed one", False, fresh_on_device, after_failed_call))
+    return cases
+
+
 def _tp_plans() -> tuple[tuple[str, dict, bool], ...]:
     """(name, plan, control) for a Llama-like model, from :mod:`overlay.testing.tensor_parallel`."""
     from overlay.testing.tensor_parallel import ATTENTION_COLWISE, ATTENTION_GATHERED, MLP
@@ -313,5 +396,6 @@ RUNNERS: dict[str, Callable[..., list[dict]]] = {
     "host-inputs-static": run_host_inputs_static,
     "cache-dtype-static": run_cache_dtype_static,
     "cache-dtype-prefix": run_cache_dtype_prefix,
+    "kept-static-cache": run_kept_static_cache,
     "tp-prefill-chunk": run_tp_prefill_chunk,
 }
