@@ -48,6 +48,12 @@ the kernel behind a wrapper; what the wrapper does depends on the kernel and the
 
 Under autocast dtypes are left to autocast (see ``overlay/guard.py``).
 
+Releases: 5.1.0 and later, where ``get_interface`` exists (5.1.0 - 5.18.0 ship one code, 5.19.0 -
+5.24.0 another, with the ``paged|`` prefix: two variants). 5.0.0 and the 4.5x releases have no
+``get_interface``: their models index ``ALL_ATTENTION_FUNCTIONS[...]`` directly or call their own
+eager function, so there is no one dispatch point that sees every kernel; the guard is not
+offered there (the KV-cache side, ``kv-cache-dtype``, still aligns dtypes where it covers).
+
 Coverage, honestly: the modeling files of 326 of the 500 model folders of 5.18.0 (357 of 532 in
 5.24.0) dispatch this way, every current decoder LLM among them (Llama, Qwen*, Gemma*, Mistral,
 ...). Not covered: models that index ``ALL_ATTENTION_FUNCTIONS[...]`` directly (SAM-family vision
@@ -194,11 +200,11 @@ def _slow_path(function, attn_implementation):
 
 
 #: ``GeneralInterface.__getitem__`` (the instance's own mapping first, then the class-wide one) as
-#: every release from 5.13.0 to 5.24.0 ships it. Only where it is this code (and ``get`` and
+#: every release from 5.0.0 to 5.24.0 ships it. Only where it is this code (and ``get`` and
 #: ``in`` are ``Mapping``'s, which go through it) does the replacement read the two dicts itself
 #: instead of calling the original; anything else gets the original, always.
 LOOKUP_FINGERPRINTS = {
-    "5e2a67a46b33a85220a6eafd94e158c664316fabaf37fd93e7f9839ac7a563ef": "5.13.0-5.24.0",
+    "5e2a67a46b33a85220a6eafd94e158c664316fabaf37fd93e7f9839ac7a563ef": "5.0.0-5.24.0",
 }
 
 _MISSING = object()
@@ -291,7 +297,7 @@ PATCH = Patch(
         "neither the layer nor the tensor at fault; nothing in transformers checks q, k, v where they meet."
     ),
     upstream="none: no transformers release up to 5.24.0 validates attention inputs at dispatch",
-    affected=">=5.13.0",
+    affected=">=5.1.0",
     fixed_in=None,
     targets=(
         Target(
@@ -300,7 +306,7 @@ PATCH = Patch(
             originals={
                 # 5.19.0 added the ``paged|`` prefix: a name ``paged|X`` (but ``paged|eager``) means ``X``.
                 "a9d96a2a90be43b1c335d52304ae8e3efb2ab6c8dfce0251df7c840d0215fc85": Variant(
-                    "5.13.0-5.18.0", {"strips_paged_prefix": False}
+                    "5.1.0-5.18.0", {"strips_paged_prefix": False}
                 ),
                 "5c12a08a6f62f3b6695d5c2bf2d2f1fe40fb26475c9ceb03fa21841fe3ababdc": Variant(
                     "5.19.0-5.24.0", {"strips_paged_prefix": True}
