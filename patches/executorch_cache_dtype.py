@@ -1,17 +1,38 @@
 """ExecuTorch seq2seq export: allocate the decoder's static cache in the model's dtype, not float32.
 
 What breaks: ``transformers.integrations.executorch.Seq2SeqLMDecoderExportableModuleWithStaticCache``
-(used by ``Seq2SeqLMExportableModule``, the T5/Whisper-style export recipe) early-initialises its
-``StaticCache`` with a hard-coded ``torch.float32``. A bfloat16 (or float16) model then writes
-bfloat16 states into float32 buffers: ``index_copy_(): self and source expected to have the same
-dtype, but got (self) Float and (source) BFloat16`` on the first decoder step, eagerly or while
-``torch.export`` traces it.
+(used by ``Seq2SeqLMExportableModule``, the T5/Whisper-style export recipe, and by
+optimum-executorch, which pins transformers 5.0.0rc1) allocates its ``StaticCache`` with a
+hard-coded ``torch.float32``. A bfloat16 (or float16) model then writes bfloat16 states into
+float32 buffers: ``index_copy_(): self and source expected to have the same dtype, but got (self)
+Float and (source) BFloat16`` on the first decoder step, eagerly or while ``torch.export`` traces
+it. On 4.55 the cache's ``update`` casts the states to its own float32 first, so the write
+succeeds and the float32 keys reach T5's attention instead: ``expected scalar type BFloat16 but
+found Float``.
+
+Releases and code shapes (one fingerprint each, all the same bug, one replacement for all):
+
+- ``4.55.4``: ``StaticCache(config, max_batch_size, max_cache_len, device="cpu",
+  dtype=torch.float32)``; the layers allocate their tensors in ``StaticLayer.__init__``.
+- ``4.56.2-5.3.0``: ``early_initialization(batch, heads, head_dim, torch.float32, model_device)``
+  through ``StaticLayer.lazy_initialization`` (one argument on 4.56-4.57, two since 5.0: a
+  difference in ``cache_utils`` that this target's fingerprint cannot see).
+- ``5.4.0``: sliding-window layers swapped for ``StaticLayer(layer.max_cache_len)`` and
+  ``cumulative_length_{i}`` buffers registered too.
+- ``5.5.4-5.22.2``, ``5.23.0-5.24.0``: ``StaticLayer(max_static_cache_length)`` and
+  ``get_head_shapes(config)`` (per-layer head shapes possible).
+
+No variant parameters: what the replacement touches (each layer's ``keys`` / ``values`` /
+``dtype`` and the module's ``key_cache_{i}`` / ``value_cache_{i}`` buffers) is the same in every
+shape above, so the variants are labels only.
 
 Fix: wrap ``__init__``. After the original has built the cache and registered its buffers, every
-cache layer whose buffers are not in the model's dtype is re-initialised through the layer's own
-``lazy_initialization`` (same batch, heads, length and head dims, the model's dtype, same device;
-it re-marks the static addresses) and the module's ``key_cache_{i}`` / ``value_cache_{i}``
-buffers are re-registered to the new tensors. ``cumulative_length`` buffers are untouched.
+cache layer whose tensors are not in the model's dtype gets new zero tensors of the same shapes
+on the same device in the model's dtype (what the release's own allocation does, with static
+addresses marked as it marks them; done here rather than through ``lazy_initialization``, whose
+signature changed under one fingerprint of this target), the layer's ``dtype`` follows, and the
+module's ``key_cache_{i}`` / ``value_cache_{i}`` buffers are re-registered to the new tensors.
+``cumulative_length`` buffers (5.4+), shapes and devices are untouched.
 
 Why the model's dtype here, when ``kv-cache-dtype`` follows the query's: this module exists to be
 exported, and an exported program runs without autocast, so the model's dtype *is* the compute
@@ -22,6 +43,9 @@ a bfloat16 model's cache would cost twice the memory plus a cast per step. (With
 Cost: at construction only, and only when the model is not float32: the float32 buffers are
 allocated by the original ``__init__`` and dropped right after (a transient float32 cache). Nothing
 changes at run time, and a float32 model is left exactly as before.
+
+Not covered: 4.55's hard-coded ``device="cpu"`` for the cache (a model on an accelerator gets a
+host cache there, stock and patched alike); releases before 4.55.
 """
 
 from __future__ import annotations
@@ -52,16 +76,16 @@ def _realloc_cache_in_model_dtype(module, model):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if keys is None or values is None or (keys.dtype == dtype and values.dtype == dtype):
             continue
-        batch, heads, _, k_head_dim = keys.shape
-        v_head_dim = values.shape[-1]
-        device = keys.device
-        layer.keys = layer.values = None
-        layer.is_initialized = False
-        # The layer's own allocation path: dtypes from the (empty) states, static addresses re-marked.
-        layer.lazy_initialization(
-            torch.empty((batch, heads, 0, k_head_dim), dtype=dtype, device=device),
-            torch.empty((batch, values.shape[1], 0, v_head_dim), dtype=dtype, device=device),
-        )
+        # What every release's own allocation does (StaticLayer.__init__ on 4.55,
+        # lazy_initialization since 4.56), in the model's dtype: same shapes and device, zeros,
+        # static addresses marked. Not through lazy_initialization itself: its signature changed
+        # (one argument on 4.56-4.57, two since 5.0) under one fingerprint of this target.
+        layer.keys = torch.zeros(keys.shape, dtype=dtype, device=keys.device)
+        layer.values = torch.zeros(values.shape, dtype=dtype, device=values.device)
+        layer.dtype = dtype
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(layer.keys)
+            torch._dynamo.mark_static_address(layer.values)
         module.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
         module.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
         reallocated = keys.dtype
@@ -76,20 +100,29 @@ PATCH = Patch(
     title="ExecuTorch seq2seq export allocates its static cache in the model's dtype",
     errors=(
         "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16",
+        # 4.55: the cache casts the states to float32 on write; T5's attention matmul then fails.
+        "expected scalar type BFloat16 but found Float",
     ),
     why=(
-        "Seq2SeqLMDecoderExportableModuleWithStaticCache.__init__ calls StaticCache.early_initialization with a "
-        "hard-coded torch.float32, so a bfloat16/float16 decoder writes its states into float32 buffers."
+        "Seq2SeqLMDecoderExportableModuleWithStaticCache.__init__ allocates its StaticCache with a hard-coded "
+        "torch.float32, so a bfloat16/float16 decoder writes its states into float32 buffers."
     ),
     upstream="none: transformers up to 5.24.0 hard-codes torch.float32 there",
-    affected=">=5.13.0",
+    affected=">=4.55.0",
     fixed_in=None,
     targets=(
         Target(
             module=MODULE,
             qualname="Seq2SeqLMDecoderExportableModuleWithStaticCache.__init__",
             originals={
-                "7a0fd4f32efde8c251a1e22ed9abe3403b3a054a50c1366309d23c814d70eb44": "5.13.0-5.22.2",
+                # StaticCache(..., device="cpu", dtype=torch.float32): layers allocate in __init__.
+                "87272f98e0e565d681d0ad91b1f1aa2c65a9642e91c547fe3024295bc79ac20f": "4.55.4",
+                # early_initialization(..., torch.float32, model_device); head shapes read inline.
+                "3fe9c12f361f51f5dbdf062245d038761ba6bf4a3c11d8f220fffc0f77a7ce27": "4.56.2-5.3.0",
+                # + sliding layers swapped for StaticLayer(layer.max_cache_len), cumulative_length buffers.
+                "dedda01f72d2c85bd68b1405ec8b72e00b036d5db8ecda45a0f5f78564926d86": "5.4.0",
+                # StaticLayer(max_static_cache_length), get_head_shapes(config).
+                "7a0fd4f32efde8c251a1e22ed9abe3403b3a054a50c1366309d23c814d70eb44": "5.5.4-5.22.2",
                 "ea7b87b769ebea4d34c0486333e211797e4c7da49229903a86daec844514d4b8": "5.23.0-5.24.0",
             },
             replace=_replace_init,

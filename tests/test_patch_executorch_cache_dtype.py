@@ -1,7 +1,9 @@
 """Patch ``executorch-cache-dtype``: the seq2seq export module's static cache follows the model's dtype.
 
-On a tiny bfloat16 T5: stock fails on the first decoder step with the ``index_copy_`` dtype error
-(its cache is hard-coded float32); with the patch the module's logits equal a run of the same
+On a tiny bfloat16 T5, on every release the patch covers (4.55.4 ... 5.24.0): stock fails on the
+first decoder step (its cache is hard-coded float32) with the ``index_copy_`` dtype error, or on
+4.55, whose cache casts the states to its own dtype on write, with the attention matmul's dtype
+error; with the patch the module's logits (and so its greedy token ids) equal a run of the same
 decoder with a static cache built in bfloat16 by hand, eagerly and through ``torch.export``.
 """
 
@@ -20,9 +22,15 @@ PATCH = PatchUnderTest("executorch_cache_dtype")
 PATCH.skip_module_unless_covered()
 
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache  # noqa: E402
+from transformers.cache_utils import StaticLayer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 INDEX_COPY_ERROR = PATCH.error("same dtype")
+# 4.55's StaticLayer allocates in __init__ and casts the states to its dtype on write: no
+# index_copy_ error there, the float32 keys reach T5's attention matmul instead.
+MATMUL_ERROR = PATCH.error("scalar type")
+CASTS_ON_WRITE = not hasattr(StaticLayer, "lazy_initialization")  # 4.55's eager StaticLayer
+STOCK_ERROR = MATMUL_ERROR if CASTS_ON_WRITE else INDEX_COPY_ERROR
 MAX_CACHE_LEN = 8
 STEPS = 3
 
@@ -53,12 +61,25 @@ def export_module(model):
     return Seq2SeqLMDecoderExportableModuleWithStaticCache(model, max_static_cache_length=MAX_CACHE_LEN, batch_size=1)
 
 
+def token_ids(all_logits):
+    return [logits[:, -1].argmax(-1).tolist() for logits in all_logits]
+
+
+def bf16_static_cache(config):
+    """A decoder self-attention ``StaticCache`` allocated in bfloat16, in the release's own API."""
+    if CASTS_ON_WRITE:  # 4.55: layers allocate in __init__, no early_initialization
+        return StaticCache(config=config, max_batch_size=1, max_cache_len=MAX_CACHE_LEN, device="cpu", dtype=torch.bfloat16)
+    self_attention = StaticCache(config=config, max_cache_len=MAX_CACHE_LEN)
+    self_attention.early_initialization(1, config.num_heads, config.d_kv, torch.bfloat16, "cpu")
+    return self_attention
+
+
 def bf16_cache_reference(model, encoder_states):
     """The same decoder and lm_head as the export module, with the static cache built in bfloat16 by hand."""
     config = model.config
-    self_attention = StaticCache(config=config, max_cache_len=MAX_CACHE_LEN)
-    self_attention.early_initialization(1, config.num_heads, config.d_kv, torch.bfloat16, "cpu")
-    cache = EncoderDecoderCache(self_attention, DynamicCache(config=config))
+    self_attention = bf16_static_cache(config)
+    cross_attention = DynamicCache() if CASTS_ON_WRITE else DynamicCache(config=config)  # as the module builds it
+    cache = EncoderDecoderCache(self_attention, cross_attention)
     decoder = model.get_decoder()
     return greedy_steps(
         lambda token, _: model.lm_head(
@@ -72,7 +93,7 @@ def test_stock_module_fails_on_a_bf16_model(t5):
     with overlay.reverted():
         module = export_module(model)
         assert module.static_cache.layers[0].keys.dtype == torch.float32  # the hard-coded dtype
-        with pytest.raises(RuntimeError, match=re.escape(INDEX_COPY_ERROR)):
+        with pytest.raises(RuntimeError, match=re.escape(STOCK_ERROR)):
             greedy_steps(lambda token, position: module(token, encoder_states, torch.tensor([position])))
 
 
@@ -89,6 +110,7 @@ def test_patched_module_logits_equal_a_bf16_cache_run(t5):
     logits = greedy_steps(lambda token, position: module(token, encoder_states, torch.tensor([position])))
     assert all(torch.equal(got, want) for got, want in zip(logits, reference))
     assert logits[0].dtype == torch.bfloat16
+    assert len(logits) == STEPS and token_ids(logits) == token_ids(reference)
 
 
 @pytest.mark.slow  # torch.export(strict=True) of the decoder: ~12 s alone, far more on a busy 2-core box
@@ -103,23 +125,27 @@ def test_patched_module_exports_and_the_program_matches(t5):
     exported = program.module()
     logits = greedy_steps(lambda token, position: exported(token, encoder_states, torch.tensor([position])))
     assert all(torch.equal(got, want) for got, want in zip(logits, reference))
+    assert len(logits) == STEPS and token_ids(logits) == token_ids(reference)
 
 
 def test_float32_model_is_left_exactly_as_stock(t5):
     from unittest import mock
 
-    from transformers.cache_utils import StaticLayer
-
     model, _ = t5
     fp32_model = type(model)(model.config).eval()
     allocations = []
-    original = StaticLayer.lazy_initialization
+    # Where the release allocates a layer's tensors: lazy_initialization since 4.56, __init__ on 4.55.
+    allocator = "lazy_initialization" if hasattr(StaticLayer, "lazy_initialization") else "__init__"
+    original = getattr(StaticLayer, allocator)
+    allocated = []
 
     def counting(layer, *args, **kwargs):
         allocations.append(layer)
-        return original(layer, *args, **kwargs)
+        result = original(layer, *args, **kwargs)
+        allocated.append((layer, layer.keys, layer.values))
+        return result
 
-    with mock.patch.object(StaticLayer, "lazy_initialization", counting):
+    with mock.patch.object(StaticLayer, allocator, counting):
         with overlay.reverted():
             export_module(fp32_model)
         stock_allocations = len(allocations)
@@ -128,3 +154,8 @@ def test_float32_model_is_left_exactly_as_stock(t5):
     # nothing re-allocated: as many cache allocations as stock, all float32
     assert len(allocations) == 2 * stock_allocations
     assert all(layer.keys.dtype == torch.float32 for layer in module.static_cache.layers)
+    # ... and the patched module holds the very tensors its release allocated
+    assert stock_allocations > 0
+    assert all(layer.keys is keys and layer.values is values for layer, keys, values in allocated[stock_allocations:])
+    for i, layer in enumerate(module.static_cache.layers):
+        assert getattr(module, f"key_cache_{i}") is layer.keys and getattr(module, f"value_cache_{i}") is layer.values
