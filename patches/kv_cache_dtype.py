@@ -1,7 +1,8 @@
 """KV cache dtype alignment: attention gets the compute dtype, and no precision stock keeps is lost.
 
-What breaks (every transformers 5.x release up to 5.24.0 at least; nothing upstream aligns dtypes):
-a KV cache whose dtype differs from the states the model writes to it.
+What breaks (every transformers release from 4.55.0 to 5.24.0 at least; nothing upstream aligns
+dtypes): a KV cache whose dtype differs from the states the model writes to it. Covered: 4.56.0 on
+(4.55.x: see "Releases" at the end).
 
 - A user-built ``StaticCache`` early-initialised in float32 (or reused from a float32 run) passed
   to a bfloat16 model: ``StaticLayer.update`` fails in ``index_copy_`` ("self and source expected
@@ -15,10 +16,10 @@ a KV cache whose dtype differs from the states the model writes to it.
   cross-attention cache directly (``cross_attention_cache.layers[i].keys``), never through
   ``Cache.update``, so a float32 cross-attention cache meets a bfloat16 query.
 - ``torch.autocast`` around ``generate()`` with a static cache: rotary embeddings make keys
-  float32 while values stay bfloat16; 5.13.0-5.23.0 allocate the value cache in the key dtype
-  (``index_copy_`` error); 5.24.0 allocates each in its own dtype, but with ``prefill_chunk_size``
-  generate initialises the cache early in the model's dtype (float32) and the bfloat16 values
-  fail the same way.
+  float32 while values stay bfloat16; 4.56.0-5.23.0 allocate the value cache in the key dtype
+  (``index_copy_`` error), with or without ``prefill_chunk_size``; 5.24.0 allocates each in its
+  own dtype, but with ``prefill_chunk_size`` generate (5.13.0 on) initialises the cache early in
+  the model's dtype (float32) and the bfloat16 values fail the same way.
 
 Policy (mode ``align``, the default; ``strict`` and ``off`` below). The target dtype is the
 dtype of the incoming ``key_states``, i.e. the query's compute dtype: it is what attention would
@@ -32,14 +33,15 @@ so it cannot be stale.
    in another dtype than keys and query are a model-precision matter: left as on stock). A
    one-time :class:`overlay.guard.KVCacheDtypeWarning` names the layer, the two dtypes and the
    cost (a transient copy of that layer's cache per step).
-2. Write side, only where stock cannot store the states: static layers (``StaticLayer``,
-   ``StaticSlidingWindowLayer`` and every subclass) hold fixed buffers (their addresses are what
+2. Write side, only where stock cannot store the states: static layers (``StaticLayer`` and
+   every subclass: ``StaticSlidingWindowLayer``; 4.56's ``SlidingWindowLayer`` and
+   ``ChunkedSlidingLayer``) hold fixed buffers (their addresses are what
    ``torch.compile``/cudagraphs and exported programs hold), and their in-place writes
    (``index_copy_``, ``index_put_``) refuse another dtype, so the new states are cast to the
    buffer's dtype there, after the layer's own lazy initialisation (run first, exactly as the
-   layer's ``update`` would, so the layer picks its dtypes as it always did). The sliding layer's
-   two ``torch.cat`` branches (a window filling up or overflowing in one update) work on stock and
-   are left as stock. A widening cast (bfloat16 states into a float32 buffer) is exact and silent;
+   layer's ``update`` would, so the layer picks its dtypes as it always did). The sliding layers'
+   other branches (``torch.cat`` of a window filling up or overflowing in one update, and 4.56's
+   ``copy_`` of a prompt longer than the window) work on stock and are left as stock. A widening cast (bfloat16 states into a float32 buffer) is exact and silent;
    the read side reports the copy. A narrowing one (float32 states into a bfloat16 buffer: a
    float32 model, or ``model.float()``, with a kept bfloat16 static cache) rounds every new
    state: a second warning says that PRECISION IS LOST, not only that a copy is made, and how to
@@ -78,9 +80,12 @@ so it cannot be stale.
 Either half alone is not enough for static caches: casting on write only returns a float32 cache
 to a bfloat16 query; casting on read only never gets past ``index_copy_``.
 
-What it costs: one replacement, ``Cache.update``, which is stock's own body (5.13.0-5.24.0 share
-it when offloading is off) with two dtype comparisons in front: no wrapper frame, no re-packing of
-``*args``/``**kwargs`` beyond what stock does, no layer wrapper. When dtypes agree, nothing else
+What it costs: one replacement, ``Cache.update``, which is stock's own body (4.56.0-5.24.0 share
+it when offloading is off; 4.56.0-5.3.0 pass ``cache_kwargs`` on as the layer's third argument,
+positional or by name, as the caller gave it) with two dtype comparisons in front: no wrapper frame, no layer wrapper, and the layer's
+``update`` called with the two argument shapes transformers uses spelled out (a plain call,
+cheaper than stock's ``*args, **kwargs`` re-packing: per layer and decode step the cache update
+costs 100-280 instructions *less* than stock's under callgrind on 5.13.0-5.24.0). When dtypes agree, nothing else
 runs: no copy, no kernel (tests count aten ops with a TorchDispatchMode), and under
 ``torch.compile`` every branch is decided at trace time (dtypes are guarded), so no graph break
 and no recompilation. Offloaded caches take the slow path every step (a few hundred ns, next to
@@ -98,10 +103,10 @@ everything through as stock transformers does. ``tests/test_patch_kv_cache_dtype
 checks these against stock with hypothesis.
 
 Coverage and limits: every cache updated through ``Cache.update`` (all decoder and
-encoder-decoder models of 5.x, every attention implementation, eager included), every layer class
+encoder-decoder models of 4.56.0 on, every attention implementation, eager included), every layer class
 (including modeling-file layers such as DeepSeek-V4's and Unlimited-OCR's), offloaded caches, and
 the cross-attention caches of ``EncoderDecoderCache`` as described in 3. Not covered: a layer's
-``update`` called directly, bypassing ``Cache.update`` (in 5.13.0-5.24.0 only
+``update`` called directly, bypassing ``Cache.update`` (in 4.56.0-5.24.0 only
 ``DynamicCache(ddp_cache_data)`` does so, with dynamic layers, which need no write side); other
 direct reads of cached tensors (Mllama's cross-attention layers kept in the decoder's own cache:
 its attention goes through ``AttentionInterface``, so ``attention-guard`` aligns it); caches
@@ -110,12 +115,34 @@ on 5.13.x) and the paged cache of continuous batching; quantized layers keep the
 Out of scope: models that keep some projections in float32 while others run in bfloat16 (e.g. a
 ``qk_norm`` kept in float32 makes q/k float32 and v bfloat16 and then fails in ``o_proj``): that
 is a model-precision issue, not the cache's.
+
+Releases: one ``Cache.update`` body (append replicated layers, offload, ``layer.update``, offload)
+from 4.56.0 to 5.24.0, in four fingerprints; what differs is in each variant's parameters, read
+when the replacement is built (``_static_layers``), never decided again in the replacement:
+
+- ``initialise``: the static layers' lazy initialisation as their ``update`` runs it:
+  ``lazy_initialization(key_states)`` when ``keys is None`` (4.56.0-4.57.6; values are allocated
+  like the keys), ``lazy_initialization(key_states, value_states)`` unless ``is_initialized``
+  (5.0.0 on);
+- ``sliding_layers``: the sliding static layer classes whose own ``update`` writes in place only
+  in some branches, with the rule that tells which: ``StaticSlidingWindowLayer`` (4.57.0 on; its
+  length is the int ``cumulative_length`` up to 5.3.0, ``cumulative_length_int`` from 5.4.0),
+  4.56's ``SlidingWindowLayer`` (a rolling window: in place unless a prompt longer than the
+  window is copied) and ``ChunkedSlidingLayer`` (in place while the window has room). 4.57's
+  deprecated ``SlidingWindowLayer``/``ChunkedSlidingLayer`` inherit ``StaticSlidingWindowLayer``'s.
+
+4.55.x is not covered although it has the bugs: its ``Cache.update`` is another design
+(``@apply_processors`` runs the offloading/quantization ``CacheProcessor`` around
+``append_new_layers`` and ``layer.update``; there is no ``offloading`` flag and layers are
+allocated in the cache's constructor), so the fast path above would not be stock's body there:
+it would skip the processor hooks. Its static layers cast the states to the buffer's dtype
+themselves, so there a float32 ``StaticCache`` fails in attention, not in ``index_copy_``.
 """
 
 from __future__ import annotations
 
 from overlay import guard
-from overlay.patch import Patch, Target, wraps
+from overlay.patch import Patch, Target, Variant, wraps
 
 MODULE = "transformers.cache_utils"
 PATCH_ID = "kv-cache-dtype"
@@ -125,9 +152,7 @@ CROSS_ATTR = "_attn_overlay_cross_attention_cache"
 
 def _replace_cache_update(original, variant):
     """``Cache.update`` with the dtype checks in front (see the module docstring)."""
-    static_layer = original.__globals__.get("StaticLayer")
-    sliding_layer = original.__globals__.get("StaticSlidingWindowLayer")
-    static = (static_layer, sliding_layer, getattr(sliding_layer, "update", None))
+    static = _static_layers(original.__globals__, variant)
 
     @wraps(original)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -139,17 +164,27 @@ def _replace_cache_update(original, variant):
         # an error raised by the layer's own update must reach the caller, never run it twice.
         # Indexing, not ``len()``: a ``layer_idx`` past the end (IndexError) is the slow path's,
         # where stock appends layers or raises its own error; a negative one indexes from the end,
-        # as in stock (whose ``while`` loop appends nothing for it).
+        # as in stock (whose ``while`` loop appends nothing for it). A layer not initialised yet
+        # holds ``keys = None``, whose ``.dtype`` raises AttributeError: the slow path too.
         try:
+            layer = self.layers[layer_idx]
             fast = (
                 not self.offloading
-                and (keys := (layer := self.layers[layer_idx]).keys) is not None
-                and keys.dtype is key_states.dtype
+                and layer.keys.dtype is key_states.dtype
                 and layer.values.dtype is value_states.dtype
             )
         except (AttributeError, TypeError, IndexError):
             fast = False
         if fast:
+            # The layer's update with the arguments stock passes it. The two shapes transformers
+            # uses are spelled out (none, up to 5.23; ``kwargs=kwargs`` from 5.24), so that the call
+            # is a plain one: ``f(*args, **kwargs)`` costs CPython ~1,500 more instructions per
+            # call (a new eval loop), and binds exactly the same arguments.
+            if not args:
+                if not kwargs:
+                    return layer.update(key_states, value_states)
+                if len(kwargs) == 1 and "kwargs" in kwargs:
+                    return layer.update(key_states, value_states, kwargs=kwargs["kwargs"])
             return layer.update(key_states, value_states, *args, **kwargs)
         return _slow_update(original, static, self, key_states, value_states, layer_idx, args, kwargs)
 
@@ -170,11 +205,10 @@ def _slow_update(original, static, cache, key_states, value_states, layer_idx, a
     # Write side: only where a static layer writes in place (index_copy_/index_put_ refuse another
     # dtype); dynamic layers and the torch.cat branches of sliding ones promote, exactly like stock.
     write_k, write_v = key_states, value_states
-    static_layer = static[0]
+    static_layer, _, initialise = static
     if static_layer is not None and isinstance(layer, static_layer):
-        if not layer.is_initialized:
-            # The first statement of every layer's update: the layer picks its dtypes as always.
-            layer.lazy_initialization(key_states, value_states)
+        # The first statement of every layer's update: the layer picks its dtypes as always.
+        initialise(layer, key_states, value_states)
         if autocast_dtype is None:
             # Reported when first seen, whichever branch this update takes (strict raises here).
             _report_static_mismatch(layer, layer_idx, key_states, value_states, mode, compiling)
@@ -236,19 +270,86 @@ def _report_static_mismatch(layer, layer_idx, key_states, value_states, mode, co
 def _writes_in_place(layer, static, kv_length):
     """Whether this update writes the states into the static layer's buffers in place.
 
-    ``StaticLayer.update`` always does (``index_copy_``). ``StaticSlidingWindowLayer.update`` (one
-    code in 5.13.0-5.24.0) does while the window has room (``index_copy_``) and when it is full and
-    one token comes (``index_put_``); its two other branches concatenate (``torch.cat`` promotes)
-    and copy back (``copy_`` casts), which works on stock and must stay as stock. A layer class with
-    its own ``update`` is assumed to write in place.
+    ``StaticLayer.update`` always does (``index_copy_``). A sliding layer's own ``update`` does in
+    some branches only: the variant's ``sliding_layers`` rule for it says which (see
+    :func:`_static_layers`); its other branches concatenate (``torch.cat`` promotes) and copy back
+    (``copy_`` casts), which works on stock and must stay as stock. A layer class with an
+    ``update`` of its own is assumed to write in place.
     """
-    _, sliding_layer, sliding_update = static
-    if sliding_layer is None or not isinstance(layer, sliding_layer) or type(layer).update is not sliding_update:
-        return True
-    current, room = layer.cumulative_length_int, layer.max_cache_len
+    rule = static[1].get(type(layer).update)
+    return True if rule is None else rule(layer, kv_length)
+
+
+def _static_layers(namespace, variant):
+    """What the slow path needs to know about a release's static layers, from the variant:
+    ``(StaticLayer, {a sliding layer's own update: its in-place rule}, the lazy initialisation)``.
+
+    ``variant["sliding_layers"]`` names the sliding layer classes of the releases that share this
+    ``Cache.update`` and the rule of each class's *own* ``update``; a named class that does not
+    define ``update`` itself (4.57's deprecated ``SlidingWindowLayer``, which inherits
+    ``StaticSlidingWindowLayer``'s) or that this release does not ship adds nothing, so one table
+    describes every release of the variant. Read once, when the replacement is built.
+    """
+    rules = {}
+    for name, rule in variant["sliding_layers"].items():
+        own_update = vars(namespace.get(name, object)).get("update")
+        if own_update is not None:
+            rules[own_update] = rule
+    return namespace.get("StaticLayer"), rules, variant["initialise"]
+
+
+# -- what differs between releases (the variants' parameters) ----------------------------------
+# Lazy initialisation, exactly as the first statement of that release's static layer ``update``.
+
+
+def _initialise_keys_and_values(layer, key_states, value_states):
+    """5.0.0 on: ``if not self.is_initialized: self.lazy_initialization(key_states, value_states)``."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(key_states, value_states)
+
+
+def _initialise_from_keys(layer, key_states, value_states):
+    """4.56.x-4.57.x: ``lazy_initialization(key_states)`` (values take the keys' dtype and shape),
+    when ``keys is None`` (4.56's test; 4.57's ``is_initialized`` is set with ``keys``, by
+    ``lazy_initialization`` only, so it is the same test there)."""
+    if layer.keys is None:
+        layer.lazy_initialization(key_states)
+
+
+# Whether a sliding layer's own ``update`` writes in place (index_copy_/index_put_ refuse another
+# dtype) for ``kv_length`` new states; elsewhere it concatenates and ``copy_``s (works on stock).
+
+
+def _window_in_place(current, room, kv_length):
+    # full: one token is written with index_put_, more are concatenated; not full: index_copy_
+    # while the window has room, concatenated when this update overflows it.
     if current >= room:
         return kv_length == 1
     return current + kv_length <= room
+
+
+def _window_writes(layer, kv_length):
+    """``StaticSlidingWindowLayer.update``, 5.4.0 on: its length as a Python int is ``cumulative_length_int``."""
+    return _window_in_place(layer.cumulative_length_int, layer.max_cache_len, kv_length)
+
+
+def _window_writes_int_length(layer, kv_length):
+    """``StaticSlidingWindowLayer.update``, 4.57.x-5.3.0: ``cumulative_length`` is a Python int."""
+    return _window_in_place(layer.cumulative_length, layer.max_cache_len, kv_length)
+
+
+def _rolling_window_writes(layer, kv_length):
+    """4.56's ``SlidingWindowLayer.update``: a prefill longer than the window is ``copy_``-ed (and the
+    states returned as they came); any other update is written with ``index_copy_`` (not full) or
+    ``index_put_`` into a rolled copy (full)."""
+    return kv_length <= layer.max_cache_len
+
+
+def _chunked_window_writes(layer, kv_length):
+    """4.56's ``ChunkedSlidingLayer.update``: ``index_copy_`` while the window has room; once full,
+    or when this update overflows it, ``torch.cat`` then ``copy_``."""
+    current, room = layer.cumulative_length, layer.max_cache_len
+    return current < room and current + kv_length <= room
 
 
 def _autocast_dtype(states):
@@ -345,6 +446,16 @@ def _replace_encoder_decoder_init(original, variant):
     return __init__
 
 
+# The sliding layer classes of each variant's releases, with the rule of each class's own update.
+_SLIDING_4_56_TO_4_57 = {
+    "SlidingWindowLayer": _rolling_window_writes,  # 4.56 (4.57: a deprecated alias, no update of its own)
+    "ChunkedSlidingLayer": _chunked_window_writes,  # 4.56 (4.57: the same)
+    "StaticSlidingWindowLayer": _window_writes_int_length,  # 4.57
+}
+_SLIDING_5_0_TO_5_3 = {"StaticSlidingWindowLayer": _window_writes_int_length}
+_SLIDING_FROM_5_4 = {"StaticSlidingWindowLayer": _window_writes}
+
+
 PATCH = Patch(
     id=PATCH_ID,
     title="KV cache hands attention the compute dtype; static caches store in their own dtype",
@@ -361,15 +472,26 @@ PATCH = Patch(
         "bfloat16 states and a bfloat16 query."
     ),
     upstream="none: no transformers release up to 5.24.0 aligns KV cache dtypes",
-    affected=">=5.13.0",
+    affected=">=4.56.0",
     fixed_in=None,
     targets=(
         Target(
             module=MODULE,
             qualname="Cache.update",
             originals={
-                "679ec869a03c94506ac836f8ebb49419af008974a65f450096ec608ebdfa34c7": "5.13.0-5.19.0",
-                "7f41008b39efeecc1e320035d7b10642f1562c7466514cd05136cf6fc451d6e6": "5.20.0-5.24.0",
+                # One Cache.update body: append replicated layers / offload / layer.update / offload.
+                "7e7c5aa6653e0d724f39d64f6810ed4f046039cc3bda5dfa3747e6d4fa64d891": Variant(
+                    "4.56.0-4.57.6", {"initialise": _initialise_from_keys, "sliding_layers": _SLIDING_4_56_TO_4_57}
+                ),
+                "1206ec15a39fd09fa1a2223cf9cb8bbf8476025c024f015a0e16664e8eabcb17": Variant(
+                    "5.0.0-5.3.0", {"initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_5_0_TO_5_3}
+                ),
+                "679ec869a03c94506ac836f8ebb49419af008974a65f450096ec608ebdfa34c7": Variant(
+                    "5.4.0-5.19.0", {"initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_FROM_5_4}
+                ),
+                "7f41008b39efeecc1e320035d7b10642f1562c7466514cd05136cf6fc451d6e6": Variant(
+                    "5.20.0-5.24.0", {"initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_FROM_5_4}
+                ),
             },
             replace=_replace_cache_update,
         ),
@@ -377,7 +499,8 @@ PATCH = Patch(
             module=MODULE,
             qualname="EncoderDecoderCache.__init__",
             originals={
-                "75023ce759abbc1f191173f5f5c1342c2a24fe5e668bb7dec085635850bdc581": "5.13.0-5.24.0",
+                "ac9d12d04b96eaeedba2fe33b24b949f464bae7e5d668f77c53a80ec127bd444": "4.56.0-4.57.6",
+                "75023ce759abbc1f191173f5f5c1342c2a24fe5e668bb7dec085635850bdc581": "5.0.0-5.24.0",
             },
             replace=_replace_encoder_decoder_init,
         ),

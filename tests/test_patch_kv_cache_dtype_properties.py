@@ -38,23 +38,36 @@ from overlay.testing.harness import PatchUnderTest  # noqa: E402
 PATCH = PatchUnderTest("kv_cache_dtype")
 PATCH.skip_module_unless_covered()
 
+import inspect  # noqa: E402
+
+from transformers import cache_utils  # noqa: E402
 from transformers.cache_utils import (  # noqa: E402
     Cache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     StaticLayer,
-    StaticSlidingWindowLayer,
 )
 
 EXAMPLES = int(os.environ.get("ATTN_OVERLAY_PROPERTY_EXAMPLES", "120"))
 
 BATCH, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_LEN, WINDOW = 1, 2, 2, 8, 12, 4
+# The static sliding-window layer: StaticSlidingWindowLayer from 4.57 on. 4.56 has two sliding
+# layers with updates of their own instead: ChunkedSlidingLayer (any number of tokens per step, as
+# StaticSlidingWindowLayer) and SlidingWindowLayer (what StaticCache builds for sliding layers: a
+# rolling window that takes one token per step once full; see run_example).
+STATIC_SLIDING = getattr(cache_utils, "StaticSlidingWindowLayer", None) or cache_utils.ChunkedSlidingLayer
 LAYERS = {
     "dynamic": lambda: DynamicLayer(),
     "dynamic_sliding": lambda: DynamicSlidingWindowLayer(sliding_window=WINDOW),
     "static": lambda: StaticLayer(max_cache_len=MAX_LEN),
-    "static_sliding": lambda: StaticSlidingWindowLayer(max_cache_len=MAX_LEN, sliding_window=WINDOW),
+    "static_sliding": lambda: STATIC_SLIDING(max_cache_len=MAX_LEN, sliding_window=WINDOW),
 }
+if "update" in vars(getattr(cache_utils, "SlidingWindowLayer", object)):  # 4.56's rolling window
+    LAYERS["static_rolling"] = lambda: cache_utils.SlidingWindowLayer(max_cache_len=MAX_LEN, sliding_window=WINDOW)
+# 4.56.0-5.3.0: Cache.update(key_states, value_states, layer_idx, cache_kwargs), and the layers read the
+# write positions from cache_kwargs["cache_position"] (4.56's sliding layers require it); later
+# releases track positions in the layers and take no cache_kwargs.
+TAKES_CACHE_KWARGS = "cache_kwargs" in inspect.signature(Cache.update).parameters
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -85,6 +98,16 @@ def run_example(ex):
     stored = DTYPES[ex["stored"]]
     key_dtype, value_dtype = DTYPES[ex["key_dtype"]], DTYPES[ex["value_dtype"]]
     cache = Cache(layers=[LAYERS[ex["layer"]]()])
+    # 4.56's rolling SlidingWindowLayer takes one token per step once full (more fail on stock in any dtype).
+    steps = [1] * len(ex["steps"]) if ex["layer"] == "static_rolling" else ex["steps"]
+    position = 0
+
+    def update(k, v):
+        nonlocal position
+        extra = ({"cache_position": torch.arange(position, position + k.shape[-2])},) if TAKES_CACHE_KWARGS else ()
+        position += k.shape[-2]
+        return cache.update(k, v, 0, *extra)
+
     guard.reset_warnings()
     outputs = []
     with warnings.catch_warnings(record=True) as caught:
@@ -93,13 +116,13 @@ def run_example(ex):
             if ex["early_init"]:
                 cache.early_initialization(BATCH, KV_HEADS, HEAD_DIM, stored, "cpu")
             else:  # the prompt, written by the previous model in the stored dtype
-                cache.update(_states(generator, ex["prompt"], stored), _states(generator, ex["prompt"], stored), 0)
+                update(_states(generator, ex["prompt"], stored), _states(generator, ex["prompt"], stored))
             autocast = torch.autocast("cpu", dtype=torch.bfloat16) if ex["autocast"] else contextlib.nullcontext()
             with autocast, torch.no_grad():
-                for length in ex["steps"]:
+                for length in steps:
                     k, v = _states(generator, length, key_dtype), _states(generator, length, value_dtype)
                     query = torch.randn(BATCH, Q_HEADS, length, HEAD_DIM, generator=generator).to(key_dtype)
-                    keys, values = cache.update(k, v, 0)
+                    keys, values = update(k, v)
                     outputs.append(_attention(ex["attention"], query, keys, values))
         except Exception as error:  # noqa: BLE001 - the outcome under test
             outputs = error
@@ -141,6 +164,14 @@ def _ex(layer, stored, key_dtype, value_dtype=None, autocast=False, attention="s
     }
 
 
+def _release_examples(test):
+    """The user-built static cache scenario on 4.56's rolling sliding window, where the release ships it."""
+    if "static_rolling" in LAYERS:
+        test = example(ex=_ex("static_rolling", "float32", "bfloat16", early_init=True))(test)
+        test = example(ex=_ex("static_rolling", "bfloat16", "float32"))(test)  # wraps: prompt longer than the window
+    return test
+
+
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
 @given(ex=examples)
 # The issues' own scenarios, always run:
@@ -151,6 +182,7 @@ def _ex(layer, stored, key_dtype, value_dtype=None, autocast=False, attention="s
 @example(ex=_ex("dynamic", "float32", "float32", "bfloat16", autocast=True))  # 15.3: autocast, values in key dtype
 @example(ex=_ex("static", "float32", "float32", "bfloat16", autocast=True, early_init=True))  # autocast + static
 @example(ex=_ex("static_sliding", "float32", "bfloat16", steps=(3, 1)))  # sliding window wraps
+@_release_examples
 def test_the_patch_never_fails_or_changes_results_where_stock_works(ex):
     with overlay.reverted():
         stock, _ = run_example(ex)

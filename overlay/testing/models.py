@@ -221,8 +221,8 @@ def on_device(batch: "dict[str, Any]", device: Any) -> "dict[str, Any]":
 
 def greedy_ids(model: Any, inputs: "dict[str, Any]", max_new_tokens: int, **generate_kwargs: Any) -> "list[list[int]]":
     """Greedy ``generate()`` without gradients or torch.compile, pad id :data:`PAD_TOKEN_ID`;
-    the sequences as lists of ids on the host. A static cache that 5.13-5.17 keep on the model
-    from an earlier call is dropped first, so every call starts clean."""
+    the sequences as lists of ids on the host. A static cache that releases up to 5.14.x keep on
+    the model from an earlier call is dropped first, so every call starts clean."""
     import torch
 
     vars(model).pop("_cache", None)
@@ -245,9 +245,12 @@ def hand_padded_batch() -> "tuple[torch.Tensor, torch.Tensor]":
 
 def tokens_and_logits(model: Any, input_ids: Any, attention_mask: Any, new_tokens: int, **generate_kwargs: Any):
     """Greedy ``generate()`` (no torch.compile): the ``new_tokens`` generated ids and the logits of
-    every step, stacked, for comparisons that must hold to the bit."""
+    every step, stacked, for comparisons that must hold to the bit. Like :func:`greedy_ids` it
+    drops a static cache an earlier call kept on the model (up to 5.14.x), so every call starts
+    clean: a kept cache half-built by a failed call would fail this one."""
     import torch
 
+    vars(model).pop("_cache", None)
     out = model.generate(
         input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens, do_sample=False,
         disable_compile=True, return_dict_in_generate=True, output_logits=True, **generate_kwargs,
