@@ -1,7 +1,7 @@
 """Test sessions: the whole suite, and one lane per transformers release.
 
     nox                     # what CI runs (tag "ci"): the suite on 5.18.0 + the representative lanes
-    nox -t matrix           # every release lane, 5.13.0 ... 5.24.0 (the full matrix)
+    nox -t matrix           # every release lane, 4.55.4 ... 5.24.0 (the full matrix)
     nox -s tf-5.20.0        # one lane;  nox -s tf-5.20.0 -- -k device   passes pytest arguments
     nox -s tests            # the whole suite on 5.18.0
     nox -l                  # list the sessions
