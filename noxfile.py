@@ -2,6 +2,7 @@
 
     nox                     # what CI runs (tag "ci"): the suite on 5.18.0 + the representative lanes
     nox -t matrix           # every release lane, 4.55.4 ... 5.24.0 (the full matrix)
+    nox -s neuron-stack     # the Neuron stack's torch 2.8.0 + transformers 4.57.6 (large download)
     nox -s tf-5.20.0        # one lane;  nox -s tf-5.20.0 -- -k device   passes pytest arguments
     nox -s tests            # the whole suite on 5.18.0
     nox -l                  # list the sessions
@@ -71,12 +72,12 @@ def _shared_torch(session: nox.Session) -> Path:
     return folder
 
 
-def _install(session: nox.Session, release: str, *, share_torch: bool) -> None:
+def _install(session: nox.Session, release: str, *, share_torch: bool, torch: str = matrix_data.TORCH) -> None:
     shared = _shared_torch(session) if share_torch else None
     # torch is named with its exact version in every install: pip then keeps the shared (or
     # already installed) 2.13.0 and can never reach for another build (multi-GB CUDA wheels).
     # multidevice (accelerate): loading a model with tensor parallelism needs it.
-    session.install(TORCH_REQUIREMENT, f"transformers=={release}", "-e", f"{REPO}[test,multidevice]")
+    session.install(f"torch=={torch}", f"transformers=={release}", "-e", f"{REPO}[test,multidevice]")
     found = session.run(
         "python", "-c",
         "import importlib.metadata as m, torch; "
@@ -86,8 +87,8 @@ def _install(session: nox.Session, release: str, *, share_torch: bool) -> None:
     transformers_version, torch_version, torch_file = found.split(" ", 2)
     if transformers_version != release:
         session.error(f"expected transformers {release}, found {transformers_version}")
-    if not torch_version.startswith(matrix_data.TORCH):
-        session.error(f"expected torch {matrix_data.TORCH}, found {torch_version}")
+    if not torch_version.startswith(torch):
+        session.error(f"expected torch {torch}, found {torch_version}")
     if shared is not None and not Path(torch_file).resolve().is_relative_to(shared.resolve()):
         session.error(f"torch should come from the shared {shared}, but comes from {torch_file}")
     session.log(f"transformers {transformers_version}, torch {torch_version} ({torch_file})")
@@ -98,6 +99,16 @@ def tests(session: nox.Session) -> None:
     """The whole test suite on the release the project is developed against."""
     _install(session, matrix_data.FULL_SUITE_RELEASE, share_torch=False)
     session.run("python", "-m", "pytest", "-ra", "--durations=10", *session.posargs, env=TEST_ENV)
+
+
+@nox.session(name="neuron-stack", tags=["stacks"])
+def neuron_stack(session: nox.Session) -> None:
+    """The Neuron stack's pins, torch 2.8.0 + transformers 4.57.6 (optimum-neuron 0.4.x with its
+    `neuronx` extra; torch-neuronx itself is on AWS's own index): the 4.57.6 lane's tests on the
+    torch that stack runs. Not in CI: torch 2.8.0 is a multi-GB (CUDA) download here."""
+    release, torch = matrix_data.NEURON_STACK
+    _install(session, release, share_torch=False, torch=torch)
+    session.run("python", "-m", "pytest", "-ra", "--durations=10", *LANE_SELECTION, *session.posargs, env=TEST_ENV)
 
 
 def _make_lane(release: str):

@@ -78,6 +78,10 @@ FULL_SUITE_RELEASE = "5.18.0"
 #: The one torch every lane shares: the CPU build that lies on this kind of machine's disk.
 TORCH = "2.13.0"
 
+#: (transformers, torch) of the Neuron stack (optimum-neuron 0.4.x, its `neuronx` extra pins torch
+#: 2.8.0): the `neuron-stack` nox session, run by hand (not in CI: a multi-GB torch download).
+NEURON_STACK: tuple[str, str] = ("4.57.6", "2.8.0")
+
 #: Releases that accelerator stacks pin (read from the stacks' own package metadata): CI runs
 #: their lanes whatever the patches' ranges say, because that is where users cannot upgrade.
 PINNED_BY_STACKS: dict[str, str] = {
