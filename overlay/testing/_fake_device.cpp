@@ -74,9 +74,19 @@ REGISTER_ALLOCATOR(kFakeType, &host_memory_allocator)
 // ------------------------------------------------------ guard and hooks
 // One device, index 0. The no-op guard of torch reports index -1, which
 // would make tensors created without an explicit index print as `<name>`
-// instead of `<name>:0`; this one always reports index 0.
+// instead of `<name>:0`; this one always reports index 0. It implements the
+// interface itself rather than deriving from torch's NoOpDeviceGuardImpl,
+// which is `final` in some releases (torch 2.8, the Neuron stack's).
 
-struct SingleDeviceGuard final : public c10::impl::NoOpDeviceGuardImpl<kFakeType> {
+struct SingleDeviceGuard final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override {
+    return kFakeType;
+  }
+  void setDevice(c10::Device /*unused*/) const override {}
+  void uncheckedSetDevice(c10::Device /*unused*/) const noexcept override {}
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return 1;
+  }
   c10::Device exchangeDevice(c10::Device /*unused*/) const override {
     return kFakeDevice;
   }
