@@ -1,43 +1,93 @@
-"""A static cache kept on the model across ``generate()`` calls is rebuilt when the model moved.
+"""A static cache kept on the model across ``generate()`` calls is rebuilt when the model moved,
+or when a failed call left it half-initialised.
 
-What breaks (transformers 5.13.0 - 5.14.1): ``GenerationMixin._prepare_static_cache`` keeps the
-static cache on the model (``self._cache``, "will persist across calls") and builds a new one only
-when the batch size, the maximum length or offloading change; otherwise it resets the old one and
-hands it back. A model that generated once with ``cache_implementation="static"`` on the host (or
-in float32) and is then moved with ``model.to(device)`` (or ``model.to(torch.bfloat16)``) generates
-again into the old cache, whose tensors are still on the host (or in float32)::
+Where the code is: up to 5.14.1 ``generate()`` keeps the static cache on the model (``self._cache``,
+"will persist across calls"): ``GenerationMixin._get_cache`` on 4.55 - 5.0.0,
+``GenerationMixin._prepare_static_cache`` (the same logic, renamed) on 5.1.0 - 5.14.1. It builds a
+new cache only when the batch size, the maximum length or offloading change (4.55: the cache class);
+otherwise it resets the old one and hands it back. Two bugs follow.
 
-    RuntimeError: index_copy_(): self, index and source expected to be in the same device, but got
-    (self) cpu, (index) cpu, and (source) fakeaccel:0
-    RuntimeError: index_copy_(): self and source expected to have the same dtype, but got (self)
-    Float and (source) BFloat16
+1. The model moved (4.55.4 - 5.14.1). A model that generated once with
+   ``cache_implementation="static"`` on the host (or in float32) and is then moved with
+   ``model.to(device)`` (or ``model.to(torch.bfloat16)``) generates again into the old cache, whose
+   tensors are still on the host (or in float32)::
 
-(With ``kv-cache-dtype`` active the dtype case runs, but casts the whole float32 cache for the
-bfloat16 query on every step.) 5.15.0 builds a new static cache on every call (and keeps only the
-largest length, to avoid recompilations), so the stale cache cannot come back there: its code is
-recorded as "fixed". The same kept-cache code is in 5.0.0 - 5.12.1 (without the chunked-prefill
-early initialisation, so another fingerprint); the overlay does not cover releases before 5.13.0.
+       RuntimeError: index_copy_(): self, index and source expected to be in the same device, but
+       got (self) cpu, (index) cpu, and (source) fakeaccel:0
+       (4.56 - 5.3, where the write positions come from generate(): "(index) fakeaccel:0")
+       RuntimeError: index_copy_(): self and source expected to have the same dtype, but got
+       (self) Float and (source) BFloat16
+       RuntimeError: Expected query, key, and value to have the same dtype, but got query.dtype:
+       c10::BFloat16 key.dtype: float and value.dtype: float instead.
 
-What the replacement does: it wraps the original (no copied code). Before calling it, it compares
-the model's device and dtype with those the kept cache was built for, and when they differ it
-drops ``self._cache``, so that the release's own code builds a fresh cache exactly as it does on a
-first call (lazy or early initialisation, encoder-decoder caches, offloading: all as shipped).
-When they agree the original runs untouched and hands back the same cache object, so the reuse
-that spares ``torch.compile`` a recompilation is kept. The cache it returns is stamped with the
-model's device and dtype (an attribute on the cache object). A kept cache without a stamp (built
-before the overlay was applied in this process) is judged by its initialised layers: the first
-layer's keys must be on the model's device, in the model's dtype (the device check is skipped for
-a model spread over several devices, where layers legitimately live on different ones; a cache
-built under autocast may be rebuilt once, which is what 5.15.0 does on every call anyway).
+   The device error from 4.56 on (4.56 made the layers allocate lazily, from the first keys they
+   see, and dropped the move-to-the-keys'-device that 4.55's eagerly allocated layers make on
+   write); the dtype error on every release of the range (4.55's layers cast the new states to the
+   cache's float32 on write, so it is SDPA that fails there, on the float32 keys and values). With
+   ``kv-cache-dtype`` active (where it applies) the dtype case runs, but casts the whole float32
+   cache for the bfloat16 query on every step.
+2. A failed call poisons the model (4.56.2 - 5.12.1). The cache's layers allocate their tensors,
+   and set ``max_batch_size``, on their first write. A static ``generate()`` that fails before
+   every layer was written once (an input id outside the vocabulary fails before any; an
+   out-of-memory error or Ctrl-C in the prefill leaves the layers after it unwritten) leaves the
+   kept cache half-initialised, and the next call's reuse check (``Cache.max_batch_size`` reads it
+   from every layer) fails, on every later static ``generate()`` until the model is reloaded::
+
+       AttributeError: 'StaticLayer' object has no attribute 'max_batch_size'
+
+   (``'StaticSlidingWindowLayer'``, 4.56: ``'SlidingWindowLayer'``, when the first unwritten layer
+   is a sliding one). A failure between a layer's two allocations poisons 4.56's ``reset()`` the same
+   way (keys allocated, values ``None``). 4.55 allocates the layers when it builds the cache, so
+   nothing is half-built; 5.13.0 - 5.14.1 ask ``Cache.batch_size``, which skips the layers that
+   were never written (``-1`` when none was: a new cache), and re-initialise such layers on their
+   next write: not affected.
+
+5.15.0 builds a new static cache on every call (and keeps only the largest length, to avoid
+recompilations), so neither can happen there: its code is recorded as "fixed".
+
+What the replacement does: it wraps the original (no copied code), the same wrapper for both
+functions. Before calling it, it drops ``self._cache`` when
+
+- the model's device or dtype differs from those the kept cache was built for: the cache is
+  stamped with them (an attribute on the cache object) when the wrapped function hands it out;
+  4.55 builds the cache on the ``device`` argument (the inputs' device), which is what is stamped
+  there. A kept cache without a stamp (built before the overlay was applied in this process) is
+  judged by its first allocated layer: its keys must be on the model's device, in the model's
+  dtype (the device check is skipped for a model spread over several devices, where layers
+  legitimately live on different ones; a cache built under autocast may be rebuilt once, which is
+  what 5.15.0 does on every call anyway);
+- (4.56.2 - 5.12.1) any of the layers its reuse check reads (the self-attention ones) was never
+  fully initialised, as the release tells it (4.56: both tensors allocated; 4.57+:
+  ``is_initialized``, and the ``max_batch_size`` the check reads, which linear-attention layers
+  have no flag for): what the release's own check and ``reset()`` would trip on. (An unwritten
+  cross-attention layer is no trouble there: the check reads only that half's length, and the
+  layer initialises on its next write.)
+
+The release's own code then builds a fresh cache exactly as it does on a first call (lazy or early
+initialisation, encoder-decoder caches, offloading, 4.55's cache classes: all as shipped). When the
+kept cache is fine the original runs untouched and hands back the same cache object, so the reuse
+that spares ``torch.compile`` a recompilation is kept. What differs between the releases (4.55's
+``device`` argument, how a layer tells it is initialised, whether the release trips on such layers)
+is each variant's ``params``.
 
 Cost: reading ``self.device`` and ``self.dtype`` (the first parameter) once per ``generate()``
-call; nothing per decoding step.
+call, on 4.55 binding the call's arguments, and on 4.56.2 - 5.12.1 a look at each cache layer's
+attributes; nothing per decoding step. Not covered: a cache passed in by the user
+(``past_key_values=``) is theirs, never kept on the model, and never touched.
+
+Tested (``tests/test_patch_kept_static_cache.py``, in the lanes 4.55.4 - 5.12.1 and on 5.18.0):
+tiny Llama and Gemma 3 for the device and dtype cases and a call failing before any write (an id
+outside the vocabulary), Llama, Gemma 3 and T5 for a call failing in the second layer's prefill;
+stock fails where stated above, the overlay generates the ids of a fresh model and reuses the
+rebuilt cache on the next call.
 """
 
 from __future__ import annotations
 
+import inspect
+
 from overlay import report
-from overlay.patch import Patch, Target, wraps
+from overlay.patch import Patch, Target, Variant, wraps
 
 PATCH_ID = "kept-static-cache"
 MODULE = "transformers.generation.utils"
@@ -55,30 +105,65 @@ def _layers_of(cache):
             yield from layers
 
 
+def _checked_layers(cache):
+    """The layers the release's reuse check reads: the cache's own, or the self-attention half of an
+    ``EncoderDecoderCache`` (of the cross-attention half it reads only the length, fixed at build)."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
+    return layers if isinstance(layers, list) else []
+
+
 def _placement_from_tensors(model, cache):
-    """(device or None, dtype) of the first initialised layer's keys; None when none is initialised."""
+    """(device or None, dtype) of the first allocated layer's keys; None when none is allocated."""
     for layer in _layers_of(cache):
         keys = getattr(layer, "keys", None)
-        if getattr(layer, "is_initialized", False) and keys is not None and hasattr(keys, "device"):
+        if hasattr(keys, "device") and getattr(layer, "is_initialized", True):
             device_map = getattr(model, "hf_device_map", None)
             spread = isinstance(device_map, dict) and len(set(device_map.values())) > 1
             return (None if spread else keys.device), keys.dtype
     return None
 
 
+# How a release tells a kept layer is whole (``Variant.params["layer_ready"]``): what its reuse
+# check (``Cache.max_batch_size`` reads ``max_batch_size`` from every layer) and ``reset()`` need.
+
+
+def _tensors_allocated(layer) -> bool:
+    """4.56: a layer gets ``max_batch_size`` and its two tensors on its first write; no flag."""
+    return hasattr(layer, "max_batch_size") and getattr(layer, "values", None) is not None
+
+
+def _flagged_initialised(layer) -> bool:
+    """4.57 - 5.12: attention layers set ``is_initialized`` once their tensors exist;
+    linear-attention layers (5.5+) have no such flag, only the ``max_batch_size`` the check reads."""
+    return hasattr(layer, "max_batch_size") and getattr(layer, "is_initialized", True)
+
+
 def make_replacement(original, variant):
+    device_argument = variant["device_argument"]
+    layer_ready = variant["layer_ready"]
+    signature = inspect.signature(original) if device_argument is not None else None
+
     @wraps(original)
-    def _prepare_static_cache(self, *args, **kwargs):
-        now = (self.device, self.dtype)
+    def kept_static_cache(self, *args, **kwargs):
+        if device_argument is None:  # the release builds the cache on the model's device
+            now = (self.device, self.dtype)
+        else:  # 4.55: on the device it is given (the inputs')
+            now = (signature.bind(self, *args, **kwargs).arguments[device_argument], self.dtype)
         kept = self.__dict__.get("_cache")
         if kept is not None:
             built_for = getattr(kept, STAMP, None) or _placement_from_tensors(self, kept)
             if built_for is not None and (
                 (built_for[0] is not None and built_for[0] != now[0]) or built_for[1] != now[1]
             ):
+                action = f"rebuilt a kept static cache for {now[0]} / {now[1]}"
+            elif layer_ready is not None and not all(layer_ready(layer) for layer in _checked_layers(kept)):
+                action = "rebuilt a kept static cache a failed generate() left half-initialised"
+            else:
+                action = None
+            if action is not None:
                 # Slow path: the release's own code builds a fresh cache, as on a first call.
                 del self.__dict__["_cache"]
-                report.record_outside_compile(PATCH_ID, f"rebuilt a kept static cache for {now[0]} / {now[1]}")
+                report.record_outside_compile(PATCH_ID, action)
         cache = original(self, *args, **kwargs)
         try:
             setattr(cache, STAMP, now)
@@ -86,37 +171,76 @@ def make_replacement(original, variant):
             pass
         return cache
 
-    return _prepare_static_cache
+    return kept_static_cache
 
+
+#: 4.55: ``_get_cache(..., device, model_kwargs)`` builds the cache's tensors at once, on ``device``,
+#: in the model's dtype: nothing is ever half-built.
+EAGER = {"device_argument": "device", "layer_ready": None}
+#: 4.56 - 5.12: layers allocate on their first write; the reuse check reads every layer.
+LAZY_456 = {"device_argument": None, "layer_ready": _tensors_allocated}
+LAZY_457 = {"device_argument": None, "layer_ready": _flagged_initialised}
+#: 5.13 - 5.14: the reuse check skips layers never written (``Cache.batch_size``), and they
+#: initialise on their next write: a half-initialised cache is fine there.
+TOLERANT = {"device_argument": None, "layer_ready": None}
 
 
 PATCH = Patch(
     id=PATCH_ID,
-    title="A static cache kept across generate() calls is rebuilt when the model's device or dtype changed",
+    title=(
+        "A static cache kept across generate() calls is rebuilt when the model's device or dtype changed, "
+        "or when a failed call left it half-initialised"
+    ),
     errors=(
         "index_copy_(): self, index and source expected to be in the same device, but got (self) cpu, "
         "(index) cpu, and (source) cuda:0",
+        # 4.56 - 5.3: the write positions come from generate(), on the model's device.
+        "index_copy_(): self, index and source expected to be in the same device, but got (self) cpu, "
+        "(index) cuda:0, and (source) cuda:0",
         "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16",
+        # 4.55: the layers cast the new states to the cache's dtype on write; SDPA then fails.
+        "Expected query, key, and value to have the same dtype, but got query.dtype: c10::BFloat16 "
+        "key.dtype: float and value.dtype: float instead.",
+        "AttributeError: 'StaticLayer' object has no attribute 'max_batch_size'",
     ),
     why=(
         "Up to 5.14.1 generate() keeps the static cache on the model across calls and rebuilds it only when "
         "the batch size, maximum length or offloading change, so after model.to(device) or .to(dtype) the "
-        "next call writes into the old cache on the old device, in the old dtype."
+        "next call writes into the old cache on the old device, in the old dtype, and (4.56 - 5.12) a call "
+        "that failed before each layer's first write leaves layers uninitialised that every later call trips on."
     ),
-    upstream="fixed in transformers 5.15.0 (GenerationMixin._prepare_static_cache builds a new cache per call)",
-    affected=">=5.13.0,<5.15.0",
+    upstream=(
+        "fixed in transformers 5.15.0 (GenerationMixin._prepare_static_cache builds a new cache per call); "
+        "the half-initialised cache since 5.13.0 (the reuse check reads Cache.batch_size)"
+    ),
+    affected=">=4.55.0,<5.15.0",
     fixed_in="5.15.0",
     targets=(
         Target(
             module=MODULE,
+            qualname="GenerationMixin._get_cache",
+            originals={
+                "b9d3a96b4ff014e17e7f8389003259c5e80930da1c8413bef3e46cbacdea32d2": Variant("4.55.0-4.55.4", EAGER),
+                "8b805cdfaf3eb2d4bd3060c8bf1d66da9097fb2cf556d52b47e3cdf1a91ed619": Variant("4.56.0-4.56.2", LAZY_456),
+                "c4c308925834eb2fc7d94b9b59e7b76935ec27a8b23249bb2f278f23ae619a31": Variant("4.57.0-5.0.0", LAZY_457),
+            },
+            replace=make_replacement,
+            optional=True,
+        ),
+        Target(
+            module=MODULE,
             qualname="GenerationMixin._prepare_static_cache",
             originals={
-                "a325910db6113caa8e5a8865630759e8ec44a09f4020b1d37186155daced271c": "5.13.0-5.14.1",
+                "345be71ad05c5745e197a568655e069d30dfc7c2c743b5eedab4b91c47b707c6": Variant("5.1.0-5.3.0", LAZY_457),
+                "489cfa90144b6e4fd994ce769881169b4b619d89b6b29ce873c457a4f96ddb42": Variant("5.4.0-5.12.1", LAZY_457),
+                "a325910db6113caa8e5a8865630759e8ec44a09f4020b1d37186155daced271c": Variant("5.13.0-5.14.1", TOLERANT),
             },
             fixed={
                 "aa2c8b5252e1e65d424369b249a43dd78d0f4b1f9f89baa7e1a3476e7001a266": "5.15.0-5.24.0",
             },
             replace=make_replacement,
+            optional=True,
         ),
     ),
+    doctor=("kept-static-cache",),
 )

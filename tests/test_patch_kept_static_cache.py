@@ -1,15 +1,25 @@
-"""kept-static-cache: a static cache kept on the model across generate() calls, after model.to().
+"""kept-static-cache: a static cache kept on the model across generate() calls, after model.to(),
+and after a failed call.
 
 Reproduced for real on a CPU-only machine with the fake second device of ``overlay.testing``:
 tiny random Llama and Gemma 3 (sliding + full layers) generate with a static cache on the host,
-then ``model.to(device)`` and generate again with on-device inputs. On 5.13.0 - 5.14.1 the stock
-run writes into the host cache kept from the first call and fails in ``index_copy_``; with the
-patch the cache is rebuilt on the device and the ids equal the host run (the fake device computes
-with the CPU kernels, bit for bit). The same after ``model.to(torch.bfloat16)``: stock fails with
-the dtype error, the patch rebuilds the cache in bfloat16, so ``kv-cache-dtype`` has nothing to
-cast (no warning, the cache's dtype is the model's). A second call with nothing changed reuses the
-very same cache object (what spares torch.compile a recompilation) and the patch does not fire.
-On 5.15.0+ every call builds a new cache: stock passes and the patch reports "fixed upstream".
+then ``model.to(device)`` and generate again with on-device inputs. On 4.56.2 - 5.14.1 the stock
+run writes into the host cache kept from the first call and fails in ``index_copy_`` (4.55's
+layers move themselves to the new keys' device: stock passes there); with the patch the cache is
+rebuilt on the device and the ids equal the host run (the fake device computes with the CPU
+kernels, bit for bit). The same after ``model.to(torch.bfloat16)`` (4.55.4 - 5.14.1): stock fails
+with the dtype error, the patch rebuilds the cache in bfloat16, so ``kv-cache-dtype`` (where it
+applies) has nothing to cast (no warning, the cache's dtype is the model's). A second call with
+nothing changed reuses the very same cache object (what spares torch.compile a recompilation) and
+the patch does not fire. A static generate() that fails before the cache's first write (an input
+id outside the vocabulary) leaves the kept cache uninitialised: on 4.56.2 - 5.12.1 every later
+static generate() on that model fails with ``'StaticLayer' object has no attribute
+'max_batch_size'``; with the patch the next call builds a fresh cache and the ids equal a fresh
+model's. The same when the call fails midway through the prefill (a simulated out-of-memory error
+in the second layer: the first layer written, the second not), for Llama, Gemma 3 and T5 (an
+encoder-decoder cache). 4.55.4 (caches allocated when built) and 5.13.0 - 5.14.1 (the reuse check
+skips unwritten layers) pass on stock there, and the patch leaves them alone. On 5.15.0+ every
+call builds a new cache: stock passes and the patch reports "fixed upstream".
 
 torch can rename its PrivateUse1 backend once per process, so the generations run in a
 subprocess: this file is also the worker (``python test_patch_kept_static_cache.py``), which
@@ -18,11 +28,13 @@ prints the results as JSON; the tests read them.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import warnings
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from overlay.patch import Variant, fingerprint
 from overlay.testing.harness import PatchUnderTest, assert_generated, heavy_imports, run_json_worker
@@ -30,37 +42,82 @@ from overlay.testing.harness import PatchUnderTest, assert_generated, heavy_impo
 PATCH = PatchUnderTest("kept_static_cache")
 PATCH_ID = PATCH.id
 TRANSFORMERS_VERSION = PATCH.transformers
-WORKER_TIMEOUT_S = 900  # imports, maybe a first build of the fake device (about a minute), ~40 tiny generations
+WORKER_TIMEOUT_S = 900  # imports, maybe a first build of the fake device (about a minute), ~75 tiny generations
 RESULT_MARKER = "KEPT_STATIC_CACHE_RESULT="
 MODELS = ("llama", "gemma3")
+MID_PREFILL_MODELS = (*MODELS, "t5")
 MAX_NEW_TOKENS = 5
 AFFECTED = PATCH.affected
 FIXED_UPSTREAM = PATCH.fixed_upstream
-DTYPE_ERROR = PATCH.error("same dtype")
+#: 4.55's layers cast the new states to the cache's float32 on write, so SDPA is what fails there.
+DTYPE_ERROR = PATCH.error("Expected query" if TRANSFORMERS_VERSION < Version("4.56") else "(self) Float")
+POISON_ERROR = "object has no attribute 'max_batch_size'"
+#: The class the poisoning error names: the cache's first layer (Gemma 3's is a sliding one).
+POISONED_LAYER = {
+    "llama": "StaticLayer",
+    "gemma3": "SlidingWindowLayer" if TRANSFORMERS_VERSION < Version("4.57") else "StaticSlidingWindowLayer",
+}
+#: Where each bug is on stock, as observed (the patch covers their union, ``affected``):
+#: the device case from 4.56 (4.55's eagerly allocated layers move themselves to the keys' device
+#: on write), the dtype case everywhere in range, the failed-call poisoning 4.56 - 5.12 (4.55
+#: allocates the cache when it builds it; 5.13's reuse check skips layers never written).
+DEVICE_BUG = AFFECTED and TRANSFORMERS_VERSION >= Version("4.56")
+DTYPE_BUG = AFFECTED
+POISON_BUG = AFFECTED and Version("4.56") <= TRANSFORMERS_VERSION < Version("5.13")
+#: ``kv-cache-dtype`` (another patch) hides the dtype case where it applies (its own range).
+KV_CACHE_DTYPE = PatchUnderTest("kv_cache_dtype").affected
 
 
 # -- the patch data -----------------------------------------------------------------------------
 
 
+def _present_targets():
+    """(target, the release's own function) for each target this release defines."""
+    found = []
+    for target in PATCH.patch.targets:
+        func = target.stock(importlib.import_module(target.module))
+        if func is not None:
+            found.append((target, func))
+    return found
+
+
 def test_installed_code_is_a_known_variant():
-    (target,) = PATCH.patch.targets
-    digest = fingerprint(PATCH.stock())
-    if AFFECTED:
-        assert digest in target.originals, f"transformers {TRANSFORMERS_VERSION}: unknown original {digest}"
-    elif FIXED_UPSTREAM:
-        assert digest in target.fixed, f"transformers {TRANSFORMERS_VERSION}: unknown fixed code {digest}"
-    else:
-        pytest.fail(f"transformers {TRANSFORMERS_VERSION} predates the releases this patch covers (5.13.0+)")
+    present = _present_targets()
+    assert present, f"transformers {TRANSFORMERS_VERSION} defines none of the patch's targets"
+    for target, func in present:
+        digest = fingerprint(func)
+        if AFFECTED:
+            assert digest in target.originals, f"transformers {TRANSFORMERS_VERSION}: unknown original {digest}"
+        elif FIXED_UPSTREAM:
+            assert digest in target.fixed, f"transformers {TRANSFORMERS_VERSION}: unknown fixed code {digest}"
+        else:
+            pytest.fail(f"transformers {TRANSFORMERS_VERSION} predates the releases this patch covers (4.55.0+)")
+
+
+def test_variant_params_agree_with_where_the_bugs_are():
+    # What the replacement is told about this release's code agrees with what stock does here.
+    present = _present_targets()
+    if not AFFECTED:  # fixed upstream: the code is no original of any variant, and stock is fine
+        assert not (POISON_BUG or DEVICE_BUG or DTYPE_BUG)
+        assert all(target.variant_of(func) is None for target, func in present)
+        return
+    ((target, func),) = present
+    variant = target.variant_of(func)
+    assert (variant["layer_ready"] is not None) == POISON_BUG, variant
+    # 4.55 builds the cache on the ``device`` it is given; later releases on the keys' device.
+    parameters = inspect.signature(func).parameters
+    assert variant["device_argument"] == ("device" if "device" in parameters else None), variant
 
 
 def test_replacement_keeps_name_docstring_and_signature():
-    stock = PATCH.stock()
-    # Built by hand for whichever code this release ships (also the fixed code: only the
-    # wrapper's metadata is checked here).
-    replacement = PATCH.patch.targets[0].replace(stock, Variant("this release"))
-    assert replacement.__wrapped__ is stock
-    assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
-    assert inspect.signature(replacement) == inspect.signature(stock)
+    for target, stock in _present_targets():
+        # Built by hand for whichever code this release ships (also the fixed code: only the
+        # wrapper's metadata is checked here).
+        variant = target.variant_of(stock) or Variant("this release", {"device_argument": None, "layer_ready": None})
+        replacement = target.replace(stock, variant)
+        assert replacement.__wrapped__ is stock
+        assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
+        assert inspect.signature(replacement) == inspect.signature(stock)
 
 
 def test_patch_module_imports_neither_torch_nor_transformers():
@@ -78,11 +135,20 @@ def results(tmp_path_factory):
     )
 
 
+def _label_names(label: str, version: Version) -> bool:
+    low, _, high = label.partition("-")
+    return Version(low) <= Version(version.base_version) <= Version(high or low)
+
+
 def test_engine_status(results):
     status = results["status"]
     if AFFECTED:
         assert status["state"] == "applied", status
-        assert status["variants"] == ["5.13.0-5.14.1"]
+        if Version("5.13") <= TRANSFORMERS_VERSION < Version("5.15"):
+            assert status["variants"] == ["5.13.0-5.14.1"]
+        # One target per release (the other is absent there), its label naming this release.
+        (label,) = status["variants"]
+        assert _label_names(label, TRANSFORMERS_VERSION), status
     else:
         assert status["state"] == "fixed upstream", status
 
@@ -91,14 +157,17 @@ def _device_error(results) -> str:
     # The C++ fake device reports index_copy_'s own message; the pure-Python one the generic
     # device-mismatch message (see overlay.testing.fake_device).
     if results["backend"] == "cpp":
-        return PATCH.error("same device", device=results["device"])
+        # 5.4+ layers compute the write positions on the cache's device; before, generate() passes
+        # them on the model's.
+        index = "(index) cpu" if TRANSFORMERS_VERSION >= Version("5.4") else "(index) cuda:0"
+        return PATCH.error(index).replace("cuda:0", results["device"])
     return "Expected all tensors to be on the same device"
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_host_run_then_model_to_device_on_stock_transformers(results, model):
     run = results["runs"][model]["to_device"]["stock"]
-    if AFFECTED:
+    if DEVICE_BUG:
         assert not run["ok"], "stock transformers was expected to reuse the host cache and fail"
         assert _device_error(results) in run["error"], run["error"]
         if results["backend"] == "cpp":
@@ -115,6 +184,7 @@ def test_host_run_then_model_to_device_with_the_overlay(results, model, flow):
     assert_generated(run, runs["host_ids"])
     assert run["cache"] == {"device": results["device"], "dtype": "torch.float32"}
     if AFFECTED:
+        # Also on 4.55, where stock moves the old cache on write: a cache built for the device.
         assert run["fired"] > 0
         assert run["actions"] == [f"rebuilt a kept static cache for {results['device']} / torch.float32"]
     else:
@@ -125,14 +195,17 @@ def test_host_run_then_model_to_device_with_the_overlay(results, model, flow):
 def test_dtype_change_on_stock_transformers(results, model):
     runs = results["runs"][model]["to_bfloat16"]
     stock = runs["stock"]
-    if AFFECTED:
+    if DTYPE_BUG:
         assert not stock["ok"], "stock transformers was expected to reuse the float32 cache and fail"
         assert DTYPE_ERROR in stock["error"]
-        # kv-cache-dtype alone hides the error, at the price of a cast of the whole cache per step.
         hidden = runs["kv_cache_dtype_only"]
-        assert hidden["ok"], hidden.get("error")
-        assert hidden["cache"]["dtype"] == "torch.float32"
-        assert "KVCacheDtypeWarning" in hidden["warnings"]
+        if KV_CACHE_DTYPE:
+            # kv-cache-dtype alone hides the error, at the price of a cast of the whole cache per step.
+            assert hidden["ok"], hidden.get("error")
+            assert hidden["cache"]["dtype"] == "torch.float32"
+            assert "KVCacheDtypeWarning" in hidden["warnings"]
+        else:  # not offered on this release: stock's failure
+            assert not hidden["ok"] and DTYPE_ERROR in hidden["error"], hidden
     else:
         assert_generated(stock, runs["control_ids"])
 
@@ -164,6 +237,79 @@ def test_nothing_changed_reuses_the_same_cache_and_does_not_fire(results, model)
         assert run["same_cache_object"], "a kept cache that still matches must be reused, as upstream does"
 
 
+@pytest.mark.parametrize("flow", ["stock", "patched", "patched_after_stock_failed_run"])
+@pytest.mark.parametrize("model", MODELS)
+def test_failed_generate_fails_before_the_first_cache_write(results, model, flow):
+    # The setup of the next test: the call fails in the embedding, before any attention layer.
+    failed = results["runs"][model]["failed_then_valid"][flow]["failed"]
+    assert not failed["ok"] and failed["type"] == "IndexError", failed
+    assert failed["cache_written"] is False, failed
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_failed_then_valid_generate_on_stock_transformers(results, model):
+    runs = results["runs"][model]["failed_then_valid"]
+    run = runs["stock"]["valid"]
+    if POISON_BUG:
+        assert not run["ok"], "stock transformers was expected to reuse the uninitialised cache and fail"
+        assert run["type"] == "AttributeError", run
+        assert f"'{POISONED_LAYER[model]}' {POISON_ERROR}" in run["error"], run["error"]
+        # The text the patch declares, with the class of this model's first layer.
+        assert PATCH.error("max_batch_size").replace("StaticLayer", POISONED_LAYER[model]) in run["error"]
+        # Poisoned for good: one more valid call fails the same way.
+        again = runs["stock"]["valid_again"]
+        assert not again["ok"] and POISON_ERROR in again["error"], again
+    else:
+        assert_generated(run, runs["control_ids"])
+
+
+@pytest.mark.parametrize("flow", ["patched", "patched_after_stock_failed_run"])
+@pytest.mark.parametrize("model", MODELS)
+def test_failed_then_valid_generate_with_the_overlay(results, model, flow):
+    runs = results["runs"][model]["failed_then_valid"]
+    run = runs[flow]["valid"]
+    # The same ids as a fresh model's first call.
+    assert_generated(run, runs["control_ids"])
+    assert_generated(runs[flow]["valid_again"], runs["control_ids"])
+    if POISON_BUG:
+        assert run["fired"] > 0
+        assert run["actions"] == ["rebuilt a kept static cache a failed generate() left half-initialised"]
+    else:  # nothing to fix: the release copes (4.55, 5.13 - 5.14) or keeps no cache (5.15+)
+        assert run["fired"] == 0
+    # The cache the valid call built is whole: the call after it reuses it, untouched.
+    assert runs[flow]["valid_again"]["fired"] == 0
+    if AFFECTED:
+        assert runs[flow]["valid_again"]["same_cache_object"]
+
+
+@pytest.mark.parametrize("model", MID_PREFILL_MODELS)
+def test_failed_mid_prefill_then_valid_generate(results, model):
+    runs = results["runs"][model]["failed_mid_prefill"]
+    for flow in ("stock", "patched"):
+        failed = runs[flow]["failed"]
+        assert not failed["ok"] and "simulated out of memory in layer 1" in failed["error"], failed
+        if POISON_BUG:  # the first layer written, the second not
+            assert failed["layers_allocated"] == [True, False], failed
+    stock = runs["stock"]["valid"]
+    if POISON_BUG:
+        # The second layer (full attention in every model here) has no max_batch_size.
+        assert not stock["ok"] and f"'StaticLayer' {POISON_ERROR}" in stock["error"], stock
+        assert not runs["stock"]["valid_again"]["ok"], runs["stock"]["valid_again"]
+    else:
+        assert_generated(stock, runs["control_ids"])
+    patched = runs["patched"]
+    assert_generated(patched["valid"], runs["control_ids"])
+    assert_generated(patched["valid_again"], runs["control_ids"])
+    assert patched["valid"]["fired"] == (1 if POISON_BUG else 0), patched["valid"]
+    assert patched["valid"]["actions"] == (
+        ["rebuilt a kept static cache a failed generate() left half-initialised"] if POISON_BUG else []
+    )
+    # The rebuilt cache is whole: the next call reuses it, untouched (no rebuild on every call).
+    assert patched["valid_again"]["fired"] == 0
+    if AFFECTED:
+        assert patched["valid_again"]["same_cache_object"]
+
+
 # -- the worker -------------------------------------------------------------------------------------
 
 
@@ -182,14 +328,22 @@ def _worker() -> dict:
     from overlay import guard, report
     from overlay.testing.models import left_padded_batch, on_device as on, tiny_model
 
+    def allocated(layer):
+        # 4.56's layers have no is_initialized flag: allocated keys tell (4.55 allocates at once).
+        return getattr(layer, "keys", None) is not None and getattr(layer, "is_initialized", True)
+
+    def allocated_layers(cache):
+        return [layer for layer in getattr(cache, "layers", ()) if allocated(layer)]
+
     def cache_placement(cache):
-        layer = next((l for l in getattr(cache, "layers", ()) if getattr(l, "is_initialized", False)), None)
+        layer = next(iter(allocated_layers(cache)), None)
         return None if layer is None else {"device": str(layer.keys.device), "dtype": str(layer.keys.dtype)}
 
     def generate(model, batch):
         report.reset()
         guard.reset_warnings()  # the cast warning is once per process: each run gets its own
         caches = []  # the cache the forward passes get (5.15+ keep none on the model)
+        kept = vars(model).get("_cache")
 
         def seen(_module, _args, kwargs):
             caches.append(kwargs.get("past_key_values", kwargs.get("cache")))
@@ -201,8 +355,8 @@ def _worker() -> dict:
                 out = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
                                      cache_implementation="static", disable_compile=True)
                 result = {"ok": True, "ids": out.cpu().tolist()}
-            except RuntimeError as err:
-                result = {"ok": False, "error": str(err)}
+            except Exception as err:  # noqa: BLE001  (the test reads which one)
+                result = {"ok": False, "type": type(err).__name__, "error": str(err)}
             finally:
                 hook.remove()
         result["fired"] = report.fired().get(PATCH_ID, 0)
@@ -210,11 +364,16 @@ def _worker() -> dict:
         result["actions"] = sorted(report.fired_actions().get(PATCH_ID, {}))
         result["warnings"] = sorted({type(w.message).__name__ for w in caught})
         result["cache"] = cache_placement(caches[-1]) if caches else None
+        result["same_cache_object"] = kept is not None and vars(model).get("_cache") is kept
         return result
 
     patched = PATCH.applied
 
     batch = left_padded_batch((6, 4))
+    # The same batch with one id outside the 128-token vocabulary: generate() fails in the
+    # embedding, after the static cache is prepared and before any layer writes to it.
+    out_of_vocabulary = {name: value.clone() for name, value in batch.items()}
+    out_of_vocabulary["input_ids"][0, -1] = 100_000
     results = {"device": device_name, "backend": fake_device_backend(), "transformers": transformers.__version__,
                "runs": {}}
     for kind in MODELS:
@@ -266,6 +425,47 @@ def _worker() -> dict:
             second = generate(model, on(batch, device))
         second.update(first_ids=first.get("ids"), same_cache_object=kept is not None and vars(model).get("_cache") is kept)
         runs["unchanged"] = second
+
+        # 4. A static generate() that fails before the cache's first write, then valid ones.
+        failed_then_valid = runs["failed_then_valid"] = {"control_ids": generate(tiny_model(kind), batch)["ids"]}
+        for flow in ("stock", "patched", "patched_after_stock_failed_run"):
+            model = tiny_model(kind)
+            calls = failed_then_valid[flow] = {}
+            with (patched() if flow == "patched" else overlay.reverted()):
+                calls["failed"] = generate(model, out_of_vocabulary)
+            # Nothing written (4.55 allocates at once: a write would have made its keys non-zero).
+            calls["failed"]["cache_written"] = any(bool(l.keys.any()) for l in allocated_layers(vars(model).get("_cache")))
+            with (overlay.reverted() if flow == "stock" else patched()):
+                calls["valid"] = generate(model, batch)
+                calls["valid_again"] = generate(model, batch)
+
+    # 5. A call that fails midway through the prefill (an out-of-memory error in the second
+    # decoder layer, simulated): the first layer's cache is written, the second's is not. T5 too:
+    # an encoder-decoder cache, whose cross-attention half the reuse check does not read.
+    for kind in MID_PREFILL_MODELS:
+        options = {"attn_implementation": None} if kind == "t5" else {}  # the release's default
+        mid_prefill = results["runs"].setdefault(kind, {})["failed_mid_prefill"] = {
+            "control_ids": generate(tiny_model(kind, **options), batch)["ids"],
+        }
+        for flow in ("stock", "patched"):
+            model = tiny_model(kind, **options)
+            calls = mid_prefill[flow] = {}
+            second_layer = model.decoder.block[1] if kind == "t5" else model.model.layers[1]
+
+            def out_of_memory(_module, _args):
+                raise RuntimeError("simulated out of memory in layer 1")
+
+            with (patched() if flow == "patched" else overlay.reverted()):
+                hook = second_layer.register_forward_pre_hook(out_of_memory)
+                try:
+                    calls["failed"] = generate(model, batch)
+                finally:
+                    hook.remove()
+                kept = vars(model).get("_cache")
+                kept = getattr(kept, "self_attention_cache", kept)
+                calls["failed"]["layers_allocated"] = None if kept is None else [allocated(l) for l in kept.layers]
+                calls["valid"] = generate(model, batch)
+                calls["valid_again"] = generate(model, batch)
     return results
 
 
