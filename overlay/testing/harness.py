@@ -9,7 +9,7 @@ the very messages users report instead of a copy of them::
     KEPT = PatchUnderTest("kept_static_cache")
     with KEPT.applied(expect="applied"):
         ...
-    assert KEPT.error("same dtype") in str(exc)
+    assert KEPT.error("'StaticLayer' object") in str(exc)
 
 :func:`run_json_worker` runs a script in a fresh interpreter (the fake device can be named once per
 process) and reads back the JSON it prints; :func:`heavy_imports` says which heavy packages a
