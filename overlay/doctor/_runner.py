@@ -305,9 +305,10 @@ def _tail(path: str, count: int) -> list[str]:
 
 
 def _not_on_this_release(scenarios: Iterable[Scenario]) -> dict[str, str]:
-    """``{scenario id: why}`` for the scenarios whose bug is not in the installed transformers:
-    every patch that names the scenario is out of its range there (e.g. the nested-mask device
-    move on releases before 5.13.0, which never moved inputs at all). Decided by the engine's
+    """``{scenario id: why}`` for the scenarios the overlay does not cover on the installed
+    transformers: every patch that names the scenario is out of its range there (e.g. the
+    nested-mask device move on releases before 5.13.0, which never moved inputs at all, so no
+    failure is counted there). Decided by the engine's
     own version gate; a release where a patch is fixed upstream still runs it (stock must pass)."""
     from ..engine import OUT_OF_RANGE, gate, installed_transformers_version
 
@@ -318,7 +319,9 @@ def _not_on_this_release(scenarios: Iterable[Scenario]) -> dict[str, str]:
         proven_by = [p for p in patches if scenario.id in p.doctor]
         if version is not None and proven_by and all(gate(p, version)[0] == OUT_OF_RANGE for p in proven_by):
             ranges = "; ".join(f"{p.id} covers transformers {p.affected}" for p in proven_by)
-            out[scenario.id] = f"not a bug on transformers {version} ({ranges})"
+            # Not "not a bug": outside a patch's range the bug may be absent (the device move
+            # before 5.13.0) or present but not covered (kv-cache-dtype on 4.55.x); both say so.
+            out[scenario.id] = f"outside the overlay's releases for it on transformers {version} ({ranges})"
     return out
 
 
