@@ -105,10 +105,12 @@ class Target:
         """The variant whose code ``func`` is, or ``None``."""
         return self.originals.get(fingerprint(func))
 
-    def build(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """``replace(original, its variant)`` outside the engine (tests, benchmarks); raises
-        ``ValueError`` when ``original`` is not a known original."""
-        variant = self.variant_of(original)
+    def build(self, original: Callable[..., Any], otherwise: Variant | None = None) -> Callable[..., Any]:
+        """``replace(original, its variant)`` outside the engine (tests, benchmarks). For code no
+        variant names (a test wrapping upstream's fixed code by hand, to show the wrapper changes
+        nothing there) pass the variant to use as ``otherwise``; without it such code raises
+        ``ValueError``."""
+        variant = self.variant_of(original) or otherwise
         if variant is None:
             raise ValueError(f"{self.key}: the given function is not a known original (sha256 {fingerprint(original)[:12]})")
         return self.replace(original, variant)

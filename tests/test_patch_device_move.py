@@ -228,7 +228,7 @@ def test_replacement_keeps_signature_docstring_and_wraps_the_original():
     from transformers.generation.utils import GenerationMixin
 
     original = GenerationMixin.__dict__["prepare_inputs_for_generation"]
-    replacement = _patch().targets[0].build(original)
+    replacement = _patch().targets[0].build(original, otherwise=Variant("installed code, wrapped by hand"))
     assert replacement.__wrapped__ is original
     assert replacement.__doc__ == original.__doc__ and replacement.__name__ == original.__name__
     # generate() validates model kwargs against this signature.
@@ -429,7 +429,7 @@ def _worker(device_spec: str) -> dict:
     @contextlib.contextmanager
     def wrapped_by_hand():
         original = GenerationMixin.__dict__["prepare_inputs_for_generation"]
-        GenerationMixin.prepare_inputs_for_generation = PATCH.patch.targets[0].build(original)
+        GenerationMixin.prepare_inputs_for_generation = PATCH.patch.targets[0].build(original, otherwise=Variant("installed code, wrapped by hand"))
         try:
             yield
         finally:

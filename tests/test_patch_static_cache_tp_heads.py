@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import pytest
 from packaging.version import Version
 
-from overlay.patch import PATCH_MARKER, fingerprint
+from overlay.patch import PATCH_MARKER, Variant, fingerprint
 from overlay.testing.harness import PatchUnderTest
 from overlay.testing.models import greedy_ids, save_tiny_model, tiny_config
 from overlay.testing.tensor_parallel import ATTENTION_COLWISE, ATTENTION_GATHERED, MLP
@@ -45,6 +45,13 @@ PATCH = PATCH_UNDER_TEST.patch
 TARGET = PATCH.targets[0]
 
 TRANSFORMERS_VERSION = PATCH_UNDER_TEST.transformers
+
+
+def _by_hand(original):
+    """The replacement around ``original``: the installed release's own code, which on 5.20.0+ is
+    upstream's fix (no variant names it; the tests show the wrapper changes nothing there)."""
+    return TARGET.build(original, otherwise=Variant("installed code, wrapped by hand"))
+
 AFFECTED = PATCH_UNDER_TEST.affected
 FIXED_UPSTREAM = PATCH_UNDER_TEST.fixed_upstream
 # transformers 5.16.0 - 5.16.1 load a tensor-parallel model without ever setting
@@ -104,7 +111,7 @@ def test_engine_applies_on_affected_releases_and_reports_fixed_upstream_after():
 
 def test_replacement_keeps_name_docstring_and_signature():
     stock = stock_static_cache_init_shape()
-    replacement = TARGET.build(stock)
+    replacement = _by_hand(stock)
     assert replacement.__wrapped__ is stock
     assert replacement.__name__ == stock.__name__
     assert replacement.__doc__ == stock.__doc__
@@ -183,7 +190,7 @@ def test_patched_shape_follows_the_plan(case, fresh_warnings, caplog):
     plan, kv_heads, tp_size, expected = PLAN_CASES[case]
     model = ShardedModelStandIn(tiny_text_config(kv_heads), tp_size, plan)
     with caplog.at_level(logging.WARNING, logger="overlay"):
-        assert TARGET.build(stock_static_cache_init_shape())(model) == expected
+        assert _by_hand(stock_static_cache_init_shape())(model) == expected
     assert not caplog.records, "known styles must not warn"
 
 
@@ -217,11 +224,11 @@ def test_per_layer_head_counts(case):
         pytest.skip(f"transformers {TRANSFORMERS_VERSION} sizes the static cache from one global head count")
     plan, layer_heads, expected = PER_LAYER_CASES[case]
     model = ShardedModelStandIn(tiny_text_config(per_layer_kv_heads=layer_heads), 2, plan)
-    assert TARGET.build(stock_static_cache_init_shape())(model) == expected
+    assert _by_hand(stock_static_cache_init_shape())(model) == expected
 
 
 def test_other_checks_of_the_release_still_apply():
-    replacement = TARGET.build(stock_static_cache_init_shape())
+    replacement = _by_hand(stock_static_cache_init_shape())
     # Layers spread over several devices: no eager initialisation, whatever the plan.
     spread = ShardedModelStandIn(tiny_text_config(), 2, dict(MLP), hf_device_map={"model.layers.0": 0, "lm_head": 1})
     assert replacement(spread) is None
@@ -231,7 +238,7 @@ def test_other_checks_of_the_release_still_apply():
 
 
 def test_unknown_style_keeps_transformers_behaviour_and_warns_once(fresh_warnings, caplog):
-    replacement = TARGET.build(stock_static_cache_init_shape())
+    replacement = _by_hand(stock_static_cache_init_shape())
     stock = stock_static_cache_init_shape()
     packed = ShardedModelStandIn(tiny_text_config(), 2, {"layers.*.self_attn.k_proj": "packed_colwise", **MLP})
     units = ShardedModelStandIn(tiny_text_config(), 2, {"layers.*.self_attn.k_proj": "unit_colwise"})
@@ -264,7 +271,7 @@ def test_tp_size_the_release_never_recorded(case):
     plan, expected, stock_affected = UNRECORDED_TP_SIZE_CASES[case]
     model = ShardedBy516StandIn(tiny_text_config(4), 2, plan)
     report.reset()
-    assert TARGET.build(stock_static_cache_init_shape())(model) == expected
+    assert _by_hand(stock_static_cache_init_shape())(model) == expected
     # Only the colwise plan needed a change (the stock code keeps every head here).
     assert (report.fired().get(PATCH.id, 0) > 0) == (expected != stock_affected)
     if AFFECTED:
@@ -274,7 +281,7 @@ def test_tp_size_the_release_never_recorded(case):
 def test_fired_counter_counts_only_calls_that_changed_the_shape():
     from overlay import report
 
-    replacement = TARGET.build(stock_static_cache_init_shape())
+    replacement = _by_hand(stock_static_cache_init_shape())
     report.reset()
     for plan, tp_size in (({**ATTENTION_COLWISE, **MLP}, 2), ({**ATTENTION_GATHERED, **MLP}, None), (dict(MLP), 1)):
         replacement(ShardedModelStandIn(tiny_text_config(4), tp_size, plan))
