@@ -30,6 +30,7 @@ from .patch import (  # noqa: F401
     Patch,
     assess,
     function_of,
+    judge_code,
     source_of,
 )
 
@@ -165,7 +166,8 @@ def _rewrap_like(raw: Any, func: Any) -> Any:
 
 
 def _apply_patch(record: _Record, module: ModuleType) -> bool:
-    """Ask :func:`overlay.patch.assess` about the module's code, then swap every target or none.
+    """Ask :func:`overlay.patch.judge_code` (the code half of ``assess``) about the module's code,
+    then swap every target or none.
     Updates ``record.status``; true when this call swapped the targets."""
     patch = record.patch
     located = {target.key: target.locate(module) for target in patch.targets}
@@ -185,7 +187,9 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
         raw = located[target.key][2]
         return None if raw is None else source_of(function_of(raw))
 
-    verdict = assess(patch, _engine.version, read_source, distribution=_engine.distribution)
+    # The version half of the verdict was decided when the record was made (it is PENDING only
+    # then): what is left to judge is the code.
+    verdict = judge_code(patch, read_source)
     if verdict.state != APPLIED:
         _set(record, verdict.state, verdict.reason, verdict.labels)
         return False
