@@ -5,6 +5,7 @@
     nox -s neuron-stack     # the Neuron stack's torch 2.8.0 + transformers 4.57.6 (large download)
     nox -s tf-5.20.0        # one lane;  nox -s tf-5.20.0 -- -k device   passes pytest arguments
     nox -s tests            # the whole suite on 5.18.0
+    nox -s tf-5.20.0 --install-only   # build a lane's environment, run nothing
     nox -l                  # list the sessions
 
 A lane is a virtual environment with one transformers release, torch 2.13.0 (CPU) and this
@@ -48,14 +49,19 @@ LANE_SELECTION = ("-m", "patch or lane")
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
+# The probes and installs below use ``session.run_install``: they are part of building an
+# environment, so they must also run under ``nox --install-only`` (where ``session.run`` runs
+# nothing and returns None).
+
+
 def _purelib(session: nox.Session) -> Path:
-    out = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True)
+    out = session.run_install("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True)
     return Path(out.strip().splitlines()[-1])
 
 
 def _shared_torch(session: nox.Session) -> Path:
     """The shared torch folder (installed on first use), made importable in this session."""
-    tag = session.run(
+    tag = session.run_install(
         "python", "-c", "import sys, platform; print(f'cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}')",
         silent=True,
     ).strip().splitlines()[-1]
@@ -64,7 +70,7 @@ def _shared_torch(session: nox.Session) -> Path:
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         # --no-deps: torch's own dependencies are small and install into each lane as usual.
-        session.run("python", "-m", "pip", "install", "--no-deps", "--target", str(partial), TORCH_REQUIREMENT)
+        session.run_install("python", "-m", "pip", "install", "--no-deps", "--target", str(partial), TORCH_REQUIREMENT)
         (partial / ".complete").write_text(TORCH_REQUIREMENT + "\n")
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(partial, folder)
@@ -78,7 +84,7 @@ def _install(session: nox.Session, release: str, *, share_torch: bool, torch: st
     # already installed) 2.13.0 and can never reach for another build (multi-GB CUDA wheels).
     # multidevice (accelerate): loading a model with tensor parallelism needs it.
     session.install(f"torch=={torch}", f"transformers=={release}", "-e", f"{REPO}[test,multidevice]")
-    found = session.run(
+    found = session.run_install(
         "python", "-c",
         "import importlib.metadata as m, torch; "
         "print(m.version('transformers'), torch.__version__, torch.__file__)",
