@@ -11,4 +11,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "attention_guard",
     "executorch_cache_dtype",
     "kept_static_cache",
+    "chunked_prefill",
 )

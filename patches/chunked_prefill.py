@@ -1,0 +1,193 @@
+"""Chunked prefill (``prefill_chunk_size``) hands decoding the right position, gives every chunk
+its own position ids, and on 5.0.0 works with the default cache.
+
+What breaks (transformers 5.0.0rc1 - 5.2.0). ``generate(..., prefill_chunk_size=N)`` runs
+``GenerationMixin._prefill``, whose chunked branch feeds the whole prompt to the model chunk by
+chunk (positions ``0 .. P-1`` for a prompt of ``P`` tokens, all written to the cache) and then
+leaves ``model_kwargs["cache_position"]`` holding ``[P]``: the last chunk's last position plus
+one. The decoding loop treats the prefill as a step already taken and advances that once more
+(``_update_model_kwargs_for_generation``: ``cache_position[-1:] + 1``), so the first generated
+token is written at ``P + 1`` instead of ``P`` and every later one a slot late. With
+``cache_implementation="static"`` (the cache holds ``max_length - 1`` slots) the last step writes
+past the end::
+
+    IndexError: index_copy_(): index 20 is out of bounds for dimension 2 with size 20
+
+(prompt 17 tokens, ``max_new_tokens=4``, chunk 8; beam search too). With a larger cache (a
+user-built ``StaticCache(max_cache_len=64)``), and with a dynamic cache for a model with
+sliding-window layers (Gemma 3), nothing fails but the output is silently wrong: rotary positions
+are shifted by one and attention sees an unwritten (zero) slot of a static cache; the
+sliding-window mask is off by one. A prefill without chunking leaves ``cache_position =
+arange(P)``, which the same update advances to ``P``: right.
+
+5.2.0 also: ``generate()`` now prepares ``position_ids`` for the whole prompt before the prefill
+(``_prepare_position_ids_for_generation``), and the chunked branch passes them whole to every
+chunk; ``prepare_inputs_for_generation`` keeps the last ``len(chunk)`` of them, so every chunk but
+the last is embedded at the last chunk's positions (silently wrong output, whatever the cache).
+
+5.0.0rc1 - 5.0.0 also: with the default cache (no ``cache_implementation``, no cache passed) the
+chunked branch refuses to start::
+
+    ValueError: Cannot use prefill chunking without a cache
+
+``_prepare_cache_for_generation`` of those releases puts no cache into ``model_kwargs`` when
+``cache_implementation`` is ``None`` (the model's forward builds its default cache on the first
+call), and the chunked branch asks for the key before any chunk runs. 5.1.0 creates the default
+cache in ``_prepare_cache_for_generation`` whenever a cache is used, so the key is always there.
+5.3.0 fixed the rest upstream (``_prefill``'s chunked branch rewritten).
+
+What the replacement does: it wraps ``_prefill`` (no copied code). Without ``prefill_chunk_size``
+it calls the original and returns: nothing else happens. With it:
+
+1. Before the call, only when ``model_kwargs`` has no ``past_key_values`` while the generation
+   uses a cache (``use_cache``) the model builds by default (``_supports_default_dynamic_cache()``):
+   it sets ``model_kwargs["past_key_values"] = None``. Exact: ``prepare_inputs_for_generation``
+   takes ``past_key_values=None`` by default, so every chunk's forward receives what it would have
+   received without the key; only the branch's membership test sees a difference. The first
+   chunk's forward builds the model's own default cache, as a non-chunked 5.0.0 call does, and the
+   branch hands it to the next chunks and to decoding (it stores ``outputs.past_key_values`` after
+   each chunk). On 5.1.0 - 5.2.0 this never happens inside ``generate()``: their
+   ``_prepare_cache_for_generation`` has put a cache there under exactly this condition (and on
+   5.0.0 ``cache_implementation`` set, a user cache, ``use_cache=False``, a model with its own
+   cache type all leave things as they are). It is a property of the call, not of the release
+   number, so no variant parameter is needed (``_prefill`` is the same code on 5.0.0 and 5.1.0).
+2. Before the call, when ``model_kwargs`` holds ``position_ids`` and the prompt is longer than one
+   chunk, it takes them out for the chunks. Each chunk's ``prepare_inputs_for_generation`` then
+   derives its own from its slice of the attention mask (``attention_mask[:, :end of chunk]``; on
+   5.2.0 cumulative sum minus one, padding set to 0, the last ``len(chunk)`` kept): the slice of
+   the whole prompt's ids that belongs to the chunk. Exact for the ids 5.2.0's ``generate()`` prepares
+   itself: ``_prepare_position_ids_for_generation`` computes them from the whole mask with the same
+   formula, and a cumulative sum over a prefix of the mask is the prefix of the cumulative sum.
+   After the call it puts the whole prompt's ids back (the original drops them), so decoding
+   advances from them exactly as after a non-chunked prefill, which keeps them.
+3. After the call returns, it replaces ``model_kwargs["cache_position"]`` with every position the
+   chunks wrote: ``0 .. P-1`` (``P = input_ids.shape[-1]``: ``torch.split`` along the last
+   dimension, positions counted from 0 chunk after chunk), in the dtype and on the device of the
+   tensor the original left (``long``, the device of ``input_ids``, where the chunks' positions
+   were made). Exact: that is the very tensor the non-chunked branch leaves for a prompt written
+   from position 0 (``ones(P).cumsum(0) - 1``, ``int64``, ``input_ids``' device), so the decoding
+   loop continues exactly as after a non-chunked prefill: with a cache it reads the last element
+   (``P - 1``) and decodes at ``P``, ``P + 1``, ...; with ``use_cache=False`` and a cache passed
+   by the user it appends to the full list, as after a non-chunked prefill. Nothing else the
+   original left is touched (the attention mask it put back, the cache, the logits it returns).
+
+Cost: one attribute read per ``generate()`` call without chunking; with chunking, one ``arange``
+of the prompt length per call. Nothing per decoding step.
+
+Not covered (stock behaviour kept, on these releases as shipped): ``position_ids`` of the user's
+own that are not the attention mask's (packed sequences...) together with a prompt of several
+chunks: the chunks get the mask's positions (stock gives every chunk the last chunk's), decoding
+continues from the user's; a cache passed in that already holds tokens (the branch rewrites from
+position 0 whatever it holds); the per-chunk ``position_ids`` of 5.0.0rc1 - rc2, which ignore left
+padding (upstream issue 43082, fixed in 5.0.0): with a left-padded batch and chunking those two
+release candidates still differ from a non-chunked run after this patch, while a batch without
+padding is fixed there too. 5.0.0rc3 ships 5.0.0's ``_prefill`` (the same fingerprint, labelled
+by release number); 5.0.0rc0 was not fingerprinted: code the patch does not know is
+"unrecognised", never patched.
+
+Tested (``tests/test_patch_chunked_prefill.py``, in the lanes 5.0.0 - 5.3.0 and 5.24.0, and by
+hand in 5.0.0rc1 and rc2 environments): tiny Llama and Gemma 3, a 17-token prompt in a batch of
+two (left-padded and without padding), chunk 8, static (greedy and beam search), user-built static,
+dynamic and default caches: stock fails or differs where stated above; with the patch every chunked
+run gives the non-chunked run's ids and scores, and every forward sees the same ``cache_position``
+and ``position_ids``.
+"""
+
+from __future__ import annotations
+
+from overlay import report
+from overlay.patch import Patch, Target, wraps
+
+PATCH_ID = "chunked-prefill"
+MODULE = "transformers.generation.utils"
+QUALNAME = "GenerationMixin._prefill"
+
+#: What ``overlay.report`` counts, one per ``generate()`` call that needed it.
+CORRECTED_POSITION = "decoding continues at the prompt length after a chunked prefill"
+DEFAULT_CACHE = "let the model build its default cache for a chunked prefill"
+OWN_POSITION_IDS = "each chunk derives its own position ids"
+
+
+def _replace_prefill(original, variant):
+    # Every original (5.0.0rc1 - 5.2.0) takes (self, input_ids, generation_config, model_kwargs)
+    # and updates model_kwargs in place: the callers (_sample, _beam_search) read it afterwards.
+
+    @wraps(original)
+    def _prefill(self, input_ids, generation_config, model_kwargs):
+        if generation_config.prefill_chunk_size is None:
+            return original(self, input_ids, generation_config, model_kwargs)
+
+        if (
+            "past_key_values" not in model_kwargs
+            and model_kwargs.get("use_cache")
+            and self._supports_default_dynamic_cache()
+        ):
+            # 5.0.0: no cache prepared for cache_implementation=None; the forward builds one.
+            model_kwargs["past_key_values"] = None
+            report.record_outside_compile(PATCH_ID, DEFAULT_CACHE)
+
+        # Several chunks: each derives its own position ids from its slice of the attention mask
+        # (prepare_inputs_for_generation), instead of taking the last len(chunk) of the whole
+        # prompt's; decoding continues from the whole prompt's again, as without chunking.
+        positions = model_kwargs.get("position_ids")
+        if positions is not None and input_ids.shape[-1] > generation_config.prefill_chunk_size:
+            del model_kwargs["position_ids"]
+            report.record_outside_compile(PATCH_ID, OWN_POSITION_IDS)
+
+        outputs = original(self, input_ids, generation_config, model_kwargs)
+
+        if positions is not None:
+            model_kwargs["position_ids"] = positions  # the original dropped them
+
+        import torch
+
+        left = model_kwargs["cache_position"]  # [P]: one past the last prompt position
+        model_kwargs["cache_position"] = torch.arange(input_ids.shape[-1], dtype=left.dtype, device=left.device)
+        report.record_outside_compile(PATCH_ID, CORRECTED_POSITION)
+        return outputs
+
+    return _prefill
+
+
+PATCH = Patch(
+    id=PATCH_ID,
+    title="Chunked prefill (prefill_chunk_size) continues decoding at the prompt length and gives "
+    "each chunk its own position ids; on 5.0.0 it works with the default cache",
+    errors=(
+        "IndexError: index_copy_(): index 20 is out of bounds for dimension 2 with size 20",
+        "ValueError: Cannot use prefill chunking without a cache",
+    ),
+    why=(
+        "GenerationMixin._prefill's chunked branch leaves cache_position one past the prompt although "
+        "the whole prompt is cached, so every decoding step writes and reads one position late (and on "
+        "5.2.0 hands every chunk the whole prompt's position_ids); 5.0.0 prepares no cache for the "
+        "default cache_implementation, which the chunked branch requires."
+    ),
+    upstream="fixed in transformers 5.3.0 (GenerationMixin._prefill's chunked branch); "
+    "the default cache since 5.1.0 (GenerationMixin._prepare_cache_for_generation)",
+    affected=">=5.0.0rc1,<5.3.0",
+    fixed_in="5.3.0",
+    targets=(
+        Target(
+            module=MODULE,
+            qualname=QUALNAME,
+            originals={
+                "d83cb1b122c03fc1c8cef69d560cf39fd0f351d80962dd6718543de6818e8c4d": "5.0.0rc1",
+                "b707380b50e3a28934ccd3aa25deeccc94d039ecd0cc2072e1e34711210e9d02": "5.0.0rc2",
+                "120418c312183b2f5eb6f584d178e3ed01b664745e3d3ab78bdd678c987e6dfd": "5.0.0-5.2.0",
+            },
+            fixed={
+                "e57d715714b4e4e4a7ea755e3f5179e9acb84b8576db595696650cbd41e4120d": "5.3.0",
+                "320e29ef1f6c8a4b6c61de7920776e20f6b235c3f351a65021cbf848ed6ec274": "5.4.0-5.8.1",
+                "40156750619a9e0a801ecccbeeb42931c31f9d1c8a78b706e70503a504d6fe0e": "5.9.0-5.17.0",
+                "9ca8f10a2bae0a6d07b7a3da2ebf248ebc7c531da80c7696bd6bf36e286e2e9e": "5.18.0",
+                "35aa5caf5aa5d55157d53b3635b77ebf0f471b3405852e1e82dc3cb56dc499d4": "5.19.0-5.20.2",
+                "5dcab3c0186378b6fabcee616e1d9f5a84b035e0890a7e4d2a8d89e7594bba6e": "5.21.0-5.22.2",
+                "a81b872bfc7223afe3a306e7fafb25caf14f99d44bd719ce72d8443f004e87b9": "5.23.0",
+                "9d1f5580881190bc79e2ec86119ede0452d60726a5a76593d341b5bdef491776": "5.24.0",
+            },
+            replace=_replace_prefill,
+        ),
+    ),
+    doctor=("chunked-prefill",),
+)
