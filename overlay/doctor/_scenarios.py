@@ -50,6 +50,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         "a static cache kept on the model across generate() calls: after .to(dtype), .to(device), a failed call",
     ),
     Scenario(
+        "chunked-prefill",
+        "prefill_chunk_size with a static cache and with the default cache",
+    ),
+    Scenario(
         "tp-prefill-chunk",
         "tensor parallel, static cache, prefill_chunk_size, attention left unsharded",
         distributed=True,
@@ -315,6 +319,42 @@ def run_kept_static_cache(device, **_) -> list[dict]:
     return cases
 
 
+CHUNKED_PROMPT_LENGTHS = (17, 12)  # a left-padded batch of two, longer than two chunks
+PREFILL_CHUNK = 8
+
+
+def run_chunked_prefill(device, **_) -> list[dict]:
+    """``generate(prefill_chunk_size=8)`` on a 17-token prompt (left-padded batch of two);
+    reference: the same call without ``prefill_chunk_size``. With a static cache the chunked
+    prefill of 5.0.0rc1 - 5.2.0 leaves decoding one position late and the last step writes past
+    the cache (``IndexError``); with the default cache 5.0.0 refuses to chunk (``ValueError``).
+    No control case: every chunked prefill of those releases decodes one position late (5.2.0 also
+    embeds the chunks at wrong positions), which only some models' tokens show. The fix:
+    ``chunked-prefill`` (upstream since 5.3.0; the default cache since 5.1.0)."""
+    from overlay.testing.models import left_padded_batch, on_device, tiny_model
+
+    batch = on_device(left_padded_batch(CHUNKED_PROMPT_LENGTHS), device)
+    cases = []
+    for kind, cache, control in (
+        ("llama", "static", False),
+        ("gemma3", "static", False),
+        ("llama", None, False),  # the default cache: no cache_implementation, no cache passed
+    ):
+        model = tiny_model(kind, device=device)
+        kwargs = {"cache_implementation": cache} if cache is not None else {}
+        cases.append(
+            run_case(
+                f"{kind}, {cache or 'default'} cache" + (" (control)" if control else ""),
+                control,
+                reference=lambda model=model, kwargs=kwargs: _generate(model, batch, **kwargs),
+                under_test=lambda model=model, kwargs=kwargs: _generate(
+                    model, batch, prefill_chunk_size=PREFILL_CHUNK, **kwargs
+                ),
+            )
+        )
+    return cases
+
+
 def _tp_plans() -> tuple[tuple[str, dict, bool], ...]:
     """(name, plan, control) for a Llama-like model, from :mod:`overlay.testing.tensor_parallel`."""
     from overlay.testing.tensor_parallel import ATTENTION_COLWISE, ATTENTION_GATHERED, MLP
@@ -397,5 +437,6 @@ RUNNERS: dict[str, Callable[..., list[dict]]] = {
     "cache-dtype-static": run_cache_dtype_static,
     "cache-dtype-prefix": run_cache_dtype_prefix,
     "kept-static-cache": run_kept_static_cache,
+    "chunked-prefill": run_chunked_prefill,
     "tp-prefill-chunk": run_tp_prefill_chunk,
 }
