@@ -47,6 +47,9 @@ __all__ = [
     "hand_padded_batch",
     "tokens_and_logits",
     "cache_argument_name",
+    "dynamic_cache",
+    "static_cache",
+    "cache_of_layers",
 ]
 
 #: Model kinds :func:`tiny_config` knows.
@@ -265,3 +268,54 @@ def cache_argument_name(model: Any) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# -- caches built the same way on every release ----------------------------------------------
+# 4.55.x builds a cache's layers in its constructor from layer classes (``Cache(layer_classes,
+# config, ..., max_batch_size, max_cache_len, device, dtype)``; static buffers allocated at once;
+# ``DynamicCache`` takes no config); 4.56.0 on take layer objects (``Cache(layers=...)``), and
+# static layers allocate lazily or through ``early_initialization``.
+
+
+def dynamic_cache(config: Any = None):
+    """``DynamicCache(config=config)`` where ``DynamicCache`` takes a config (4.56.0 on: sliding
+    layers get sliding dynamic layers), a plain ``DynamicCache()`` on 4.55.x (whose constructor
+    passes a config's sizes to its layers, which take none)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    if config is not None and "config" in inspect.signature(DynamicCache.__init__).parameters:
+        return DynamicCache(config=config)
+    return DynamicCache()
+
+
+def static_cache(config: Any, batch_size: int, max_cache_len: int, dtype: Any, device: Any = "cpu"):
+    """A ``StaticCache`` for ``config`` whose buffers exist already, in ``dtype`` on ``device``,
+    as a user builds one ahead of ``generate()``: ``StaticCache(config=, max_cache_len=)`` then
+    ``early_initialization(batch_size, config.num_key_value_heads, config.head_dim, dtype,
+    device)`` (4.56.0 on); ``StaticCache(config=, max_batch_size=, max_cache_len=, dtype=,
+    device=)`` on 4.55.x, whose constructor allocates them (with the same head count and size)."""
+    from transformers import StaticCache
+
+    if hasattr(StaticCache, "early_initialization"):
+        cache = StaticCache(config=config, max_cache_len=max_cache_len)
+        cache.early_initialization(batch_size, config.num_key_value_heads, config.head_dim, dtype, device)
+        return cache
+    return StaticCache(config=config, max_batch_size=batch_size, max_cache_len=max_cache_len, dtype=dtype, device=device)
+
+
+def cache_of_layers(layers: Sequence[Any]):
+    """A bare ``Cache`` holding exactly ``layers`` (layer objects): ``Cache(layers=...)`` from
+    4.56.0 on; on 4.55.x a ``Cache`` built with one ``DynamicLayer`` (no config, no processor)
+    whose layer list and layer classes are then replaced by ``layers``."""
+    import inspect
+
+    from transformers import cache_utils
+
+    if "layers" in inspect.signature(cache_utils.Cache.__init__).parameters:
+        return cache_utils.Cache(layers=list(layers))
+    cache = cache_utils.Cache(layer_classes=cache_utils.DynamicLayer)
+    cache.layers[:] = list(layers)
+    cache.layer_classes = [type(layer) for layer in layers]
+    return cache
