@@ -1,12 +1,14 @@
 """KV cache dtype alignment: attention gets the compute dtype, and no precision stock keeps is lost.
 
 What breaks (every transformers release from 4.55.0 to 5.24.0 at least; nothing upstream aligns
-dtypes): a KV cache whose dtype differs from the states the model writes to it. Covered: 4.56.0 on
-(4.55.x: see "Releases" at the end).
+dtypes): a KV cache whose dtype differs from the states the model writes to it. Covered: 4.55.0
+on (4.55.x by a variant of its own: see "Releases" at the end).
 
 - A user-built ``StaticCache`` early-initialised in float32 (or reused from a float32 run) passed
   to a bfloat16 model: ``StaticLayer.update`` fails in ``index_copy_`` ("self and source expected
-  to have the same dtype").
+  to have the same dtype"). On 4.55.x the layer casts the states to its buffer's dtype before
+  writing, and attention fails on the float32 cache it hands back instead (SDPA "Expected query,
+  key, and value to have the same dtype", eager "expected scalar type Float but found BFloat16").
 - A ``DynamicCache`` prefilled in float32 (a shared prompt prefix computed once), then bfloat16
   decoding: ``torch.cat`` promotes the cache to float32, and attention then gets a bfloat16 query
   with float32 key/value: SDPA "Expected query, key, and value to have the same dtype", eager
@@ -19,7 +21,9 @@ dtypes): a KV cache whose dtype differs from the states the model writes to it. 
   float32 while values stay bfloat16; 4.56.0-5.23.0 allocate the value cache in the key dtype
   (``index_copy_`` error), with or without ``prefill_chunk_size``; 5.24.0 allocates each in its
   own dtype, but with ``prefill_chunk_size`` generate (5.13.0 on) initialises the cache early in
-  the model's dtype (float32) and the bfloat16 values fail the same way.
+  the model's dtype (float32) and the bfloat16 values fail the same way. Not a bug on 4.55.x:
+  generate builds the static cache in the model's dtype and its layers cast on write, so stock
+  generates (the overlay leaves it as it is: same tokens, nothing reported).
 
 Policy (mode ``align``, the default; ``strict`` and ``off`` below). The target dtype is the
 dtype of the incoming ``key_states``, i.e. the query's compute dtype: it is what attention would
@@ -34,14 +38,19 @@ so it cannot be stale.
    one-time :class:`overlay.guard.KVCacheDtypeWarning` names the layer, the two dtypes and the
    cost (a transient copy of that layer's cache per step).
 2. Write side, only where stock cannot store the states: static layers (``StaticLayer`` and
-   every subclass: ``StaticSlidingWindowLayer``; 4.56's ``SlidingWindowLayer`` and
+   every subclass: ``StaticSlidingWindowLayer``; 4.55's and 4.56's ``SlidingWindowLayer`` and
    ``ChunkedSlidingLayer``) hold fixed buffers (their addresses are what
    ``torch.compile``/cudagraphs and exported programs hold), and their in-place writes
    (``index_copy_``, ``index_put_``) refuse another dtype, so the new states are cast to the
    buffer's dtype there, after the layer's own lazy initialisation (run first, exactly as the
    layer's ``update`` would, so the layer picks its dtypes as it always did). The sliding layers'
    other branches (``torch.cat`` of a window filling up or overflowing in one update, and 4.56's
-   ``copy_`` of a prompt longer than the window) work on stock and are left as stock. A widening cast (bfloat16 states into a float32 buffer) is exact and silent;
+   ``copy_`` of a prompt longer than the window) work on stock and are left as stock. 4.55's
+   ``StaticLayer`` and ``SlidingWindowLayer`` cast the states to their buffers' dtype themselves
+   (stock stores them): nothing is cast there, only a narrowing write is reported as below (with
+   the read side, stock's rounded states now reach attention where stock failed); 4.55's
+   ``ChunkedSlidingLayer`` does not cast and is written in place while its window has room, as
+   4.56's. A widening cast (bfloat16 states into a float32 buffer) is exact and silent;
    the read side reports the copy. A narrowing one (float32 states into a bfloat16 buffer: a
    float32 model, or ``model.float()``, with a kept bfloat16 static cache) rounds every new
    state: a second warning says that PRECISION IS LOST, not only that a copy is made, and how to
@@ -64,7 +73,7 @@ so it cannot be stale.
    ``EncoderDecoderCache`` work with a bfloat16 decoder on encoder-decoder models whose decoder
    layer runs its self-attention update before its cross-attention read (all of them in 5.x),
    inline attention included: tested (tokens equal to the all-bfloat16 reference, kv-cache-dtype
-   alone, stock failing) on T5 and MVP in the suite, and on MT5, UMT5, LongT5, Bart, MBart, Marian,
+   alone, stock failing) on T5 and MVP in the suite (every lane, 4.55.4 included), and on MT5, UMT5, LongT5, Bart, MBart, Marian,
    Pegasus, Blenderbot, BlenderbotSmall, M2M100, PLBart, LED, BigBirdPegasus and NLLB-MoE on
    5.13.0 and 5.18.0 by a one-off sweep. Exact limit: a
    cross-attention cache whose dtype differs while its self-attention cache already holds states
@@ -80,7 +89,7 @@ so it cannot be stale.
 Either half alone is not enough for static caches: casting on write only returns a float32 cache
 to a bfloat16 query; casting on read only never gets past ``index_copy_``.
 
-What it costs: one replacement, ``Cache.update``, which is stock's own body (4.56.0-5.24.0 share
+What it costs (4.55.x: see "Releases"): one replacement, ``Cache.update``, which is stock's own body (4.56.0-5.24.0 share
 it when offloading is off; 4.56.0-5.3.0 pass ``cache_kwargs`` on as the layer's third argument,
 positional or by name, as the caller gave it) with two dtype comparisons in front: no wrapper frame, no layer wrapper, and the layer's
 ``update`` called with the two argument shapes transformers uses spelled out (a plain call,
@@ -103,11 +112,13 @@ everything through as stock transformers does. ``tests/test_patch_kv_cache_dtype
 checks these against stock with hypothesis.
 
 Coverage and limits: every cache updated through ``Cache.update`` (all decoder and
-encoder-decoder models of 4.56.0 on, every attention implementation, eager included), every layer class
-(including modeling-file layers such as DeepSeek-V4's and Unlimited-OCR's), offloaded caches, and
+encoder-decoder models of 4.55.0 on, every attention implementation, eager included), every layer class
+(including modeling-file layers such as DeepSeek-V4's and Unlimited-OCR's), offloaded caches
+(4.55: caches with a ``CacheProcessor``), and
 the cross-attention caches of ``EncoderDecoderCache`` as described in 3. Not covered: a layer's
 ``update`` called directly, bypassing ``Cache.update`` (in 4.56.0-5.24.0 only
-``DynamicCache(ddp_cache_data)`` does so, with dynamic layers, which need no write side); other
+``DynamicCache(ddp_cache_data)`` does so, with dynamic layers, which need no write side; 4.55.x
+none: its ``ddp_cache_data`` layers are built with ``DynamicLayer.from_tensors``); other
 direct reads of cached tensors (Mllama's cross-attention layers kept in the decoder's own cache:
 its attention goes through ``AttentionInterface``, so ``attention-guard`` aligns it); caches
 defined in modeling files that override ``Cache.update`` without calling it (e.g. OLMo-Hybrid's
@@ -117,26 +128,50 @@ Out of scope: models that keep some projections in float32 while others run in b
 is a model-precision issue, not the cache's.
 
 Releases: one ``Cache.update`` body (append replicated layers, offload, ``layer.update``, offload)
-from 4.56.0 to 5.24.0, in four fingerprints; what differs is in each variant's parameters, read
-when the replacement is built (``_static_layers``), never decided again in the replacement:
+from 4.56.0 to 5.24.0, in four fingerprints, and 4.55.x's (below); what differs is in each
+variant's parameters, read when the replacement is built (``_replace_cache_update``,
+``_static_layers``), never decided again in the replacement:
 
 - ``initialise``: the static layers' lazy initialisation as their ``update`` runs it:
   ``lazy_initialization(key_states)`` when ``keys is None`` (4.56.0-4.57.6; values are allocated
   like the keys), ``lazy_initialization(key_states, value_states)`` unless ``is_initialized``
-  (5.0.0 on);
+  (5.0.0 on), none on 4.55.x;
 - ``sliding_layers``: the sliding static layer classes whose own ``update`` writes in place only
   in some branches, with the rule that tells which: ``StaticSlidingWindowLayer`` (4.57.0 on; its
   length is the int ``cumulative_length`` up to 5.3.0, ``cumulative_length_int`` from 5.4.0),
   4.56's ``SlidingWindowLayer`` (a rolling window: in place unless a prompt longer than the
-  window is copied) and ``ChunkedSlidingLayer`` (in place while the window has room). 4.57's
-  deprecated ``SlidingWindowLayer``/``ChunkedSlidingLayer`` inherit ``StaticSlidingWindowLayer``'s.
+  window is copied) and ``ChunkedSlidingLayer`` (in place while the window has room; 4.55's
+  too). 4.57's deprecated ``SlidingWindowLayer``/``ChunkedSlidingLayer`` inherit
+  ``StaticSlidingWindowLayer``'s;
 
-4.55.x is not covered although it has the bugs: its ``Cache.update`` is another design
-(``@apply_processors`` runs the offloading/quantization ``CacheProcessor`` around
-``append_new_layers`` and ``layer.update``; there is no ``offloading`` flag and layers are
-allocated in the cache's constructor), so the fast path above would not be stock's body there:
-it would skip the processor hooks. Its static layers cast the states to the buffer's dtype
-themselves, so there a float32 ``StaticCache`` fails in attention, not in ``index_copy_``.
+- ``cache_processors``: whether ``Cache.update`` runs ``CacheProcessor`` hooks (4.55.x; see below);
+- ``casts_on_write``: the layer classes whose own ``update`` casts the states to their buffers'
+  dtype before writing (4.55's ``StaticLayer`` and ``SlidingWindowLayer``; none from 4.56.0).
+
+4.55.0-4.55.4 (one fingerprint) have another ``Cache.update``: ``@apply_processors`` runs the
+offloading/quantization ``CacheProcessor`` (``pre_update`` / ``post_update``, when
+``cache_processor`` is set) around ``self.append_new_layers(layer_idx)`` and
+``self.layers[layer_idx].update(key_states, value_states, cache_kwargs)``; there is no
+``offloading`` flag, and static layers allocate their buffers in their constructor (no lazy
+initialisation: ``initialise`` does nothing). Its variant (``cache_processors``) builds another
+replacement (``_replace_processed_cache_update``), with the signature of stock's
+``(key_states, value_states, layer_idx, cache_kwargs=None)``. Its fast path is taken only by a
+cache without a processor, and is stock's own sequence for it: the processor check, the same
+``append_new_layers`` call, the dtype comparisons, the same layer call; only the decorator's
+wrapper frame is gone (``test_hot_path_runs_no_extra_python_frame``: exactly one Python frame
+fewer than stock). A cache with a processor (``OffloadedCache``, ``OffloadedStaticCache``,
+``OffloadedHybridCache``, the quantized caches, a user's processor) always takes the slow path,
+which calls the original, hooks included, with the write side before ``pre_update`` (offloading
+moves layers, never states) and the read side after ``post_update`` (tested with a user's
+processor logging every hook: the same hooks, states and tokens as stock). On 4.55 the dtype
+comparisons are not offset by any re-packing of arguments (stock passes ``cache_kwargs``
+positionally), so the fast path costs more than stock: under callgrind on 4.55.4 (torch 2.13,
+CPython 3.11), a ``StaticCache`` update of one position takes about 1,300 instructions more than
+stock's 58,500 (the four ``.dtype`` reads; the wrapper frame it saves pays for a fraction), i.e.
+well under a microsecond per layer and decode step, noise next to a layer's forward.
+``EncoderDecoderCache.__init__`` names its two caches there (its own ``from_legacy_cache``
+passes them by name): the replacement passes on whatever it is given.
+Encoder-decoder models read the cross-attention cache directly there too (T5 and MVP tested).
 """
 
 from __future__ import annotations
@@ -153,6 +188,8 @@ CROSS_ATTR = "_attn_overlay_cross_attention_cache"
 def _replace_cache_update(original, variant):
     """``Cache.update`` with the dtype checks in front (see the module docstring)."""
     static = _static_layers(original.__globals__, variant)
+    if variant["cache_processors"]:
+        return _replace_processed_cache_update(original, static)
 
     @wraps(original)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -191,6 +228,46 @@ def _replace_cache_update(original, variant):
     return update
 
 
+def _replace_processed_cache_update(original, static):
+    """4.55.x: ``Cache.update`` is ``@apply_processors`` around ``append_new_layers`` and ``layer.update``.
+
+    Stock runs, in this order: the cache processor's ``pre_update`` (when ``cache_processor`` is
+    set), ``self.append_new_layers(layer_idx)``, the layer's ``update(key_states, value_states,
+    cache_kwargs)``, the processor's ``post_update``. The fast path is that sequence for a cache
+    without a processor, whose layer ``layer_idx`` stores exactly the incoming dtypes: the
+    processor check (``None``), the same ``append_new_layers`` call, the same layer call; only
+    the decorator's wrapper frame is gone. A cache with a processor (``OffloadedCache``,
+    ``OffloadedStaticCache``, the quantized caches, a user's ``CacheProcessor``) always takes the
+    slow path, which calls the original, hooks included: no hook is ever skipped, and the write
+    side casts before ``pre_update`` sees the states (offloading moves layers, never states; the
+    quantized processor only works after the update).
+    """
+
+    @wraps(original)
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        # Only the checks are inside ``try``: an error raised by append_new_layers or by the
+        # layer's own update reaches the caller as on stock, and runs once. An object without
+        # ``cache_processor`` goes to the original, which raises stock's AttributeError.
+        try:
+            plain = self.cache_processor is None
+        except AttributeError:
+            plain = False
+        if plain:
+            # Stock's first statement when no processor is set (appends layers up to layer_idx).
+            self.append_new_layers(layer_idx)
+            try:
+                layer = self.layers[layer_idx]
+                fast = layer.keys.dtype is key_states.dtype and layer.values.dtype is value_states.dtype
+            except (AttributeError, TypeError, IndexError):
+                fast = False
+            if fast:
+                return layer.update(key_states, value_states, cache_kwargs)
+        # (A plain cache's layers are appended already: the original's own append is a no-op.)
+        return _slow_update(original, static, self, key_states, value_states, layer_idx, (cache_kwargs,), {})
+
+    return update
+
+
 def _slow_update(original, static, cache, key_states, value_states, layer_idx, args, kwargs):
     import torch
 
@@ -205,14 +282,19 @@ def _slow_update(original, static, cache, key_states, value_states, layer_idx, a
     # Write side: only where a static layer writes in place (index_copy_/index_put_ refuse another
     # dtype); dynamic layers and the torch.cat branches of sliding ones promote, exactly like stock.
     write_k, write_v = key_states, value_states
-    static_layer, _, initialise = static
+    static_layer, _, initialise, casting = static
     if static_layer is not None and isinstance(layer, static_layer):
         # The first statement of every layer's update: the layer picks its dtypes as always.
         initialise(layer, key_states, value_states)
         if autocast_dtype is None:
             # Reported when first seen, whichever branch this update takes (strict raises here).
             _report_static_mismatch(layer, layer_idx, key_states, value_states, mode, compiling)
-        if _writes_in_place(layer, static, key_states.shape[-2]):
+        if type(layer).update in casting:
+            # 4.55: the layer's own update casts the states to its buffers' dtype, so stock stores them:
+            # nothing is cast here; a narrowing write is reported (strict raises) as where the overlay casts.
+            _to_buffer(layer, layer_idx, "keys", key_states, mode, autocast_dtype, compiling, cast=False)
+            _to_buffer(layer, layer_idx, "values", value_states, mode, autocast_dtype, compiling, cast=False)
+        elif _writes_in_place(layer, static, key_states.shape[-2]):
             write_k = _to_buffer(layer, layer_idx, "keys", key_states, mode, autocast_dtype, compiling)
             write_v = _to_buffer(layer, layer_idx, "values", value_states, mode, autocast_dtype, compiling)
 
@@ -282,7 +364,8 @@ def _writes_in_place(layer, static, kv_length):
 
 def _static_layers(namespace, variant):
     """What the slow path needs to know about a release's static layers, from the variant:
-    ``(StaticLayer, {a sliding layer's own update: its in-place rule}, the lazy initialisation)``.
+    ``(StaticLayer, {a sliding layer's own update: its in-place rule}, the lazy initialisation,
+    {the own update of each layer class that casts the states to its buffers' dtype itself})``.
 
     ``variant["sliding_layers"]`` names the sliding layer classes of the releases that share this
     ``Cache.update`` and the rule of each class's *own* ``update``; a named class that does not
@@ -295,7 +378,12 @@ def _static_layers(namespace, variant):
         own_update = vars(namespace.get(name, object)).get("update")
         if own_update is not None:
             rules[own_update] = rule
-    return namespace.get("StaticLayer"), rules, variant["initialise"]
+    casting = frozenset(
+        own_update
+        for own_update in (vars(namespace.get(name, object)).get("update") for name in variant["casts_on_write"])
+        if own_update is not None
+    )
+    return namespace.get("StaticLayer"), rules, variant["initialise"], casting
 
 
 # -- what differs between releases (the variants' parameters) ----------------------------------
@@ -306,6 +394,10 @@ def _initialise_keys_and_values(layer, key_states, value_states):
     """5.0.0 on: ``if not self.is_initialized: self.lazy_initialization(key_states, value_states)``."""
     if not layer.is_initialized:
         layer.lazy_initialization(key_states, value_states)
+
+
+def _allocated_by_constructor(layer, key_states, value_states):
+    """4.55.x: no lazy initialisation; ``StaticLayer.__init__`` allocates the buffers."""
 
 
 def _initialise_from_keys(layer, key_states, value_states):
@@ -374,8 +466,9 @@ def _narrows(stored_dtype, incoming_dtype, autocast_dtype):
     return not (autocast_dtype is not None and stored_dtype == autocast_dtype)
 
 
-def _to_buffer(layer, layer_idx, which, incoming, mode, autocast_dtype, compiling):
-    """Write side of a static layer: the incoming states in the buffer's dtype."""
+def _to_buffer(layer, layer_idx, which, incoming, mode, autocast_dtype, compiling, cast=True):
+    """Write side of a static layer: the incoming states in the buffer's dtype. ``cast=False``: the
+    layer's own update casts them (4.55), so only the checks run and the states go on as they are."""
     stored = getattr(layer, which, None)
     if stored is None or stored.dtype is incoming.dtype:
         return incoming
@@ -383,9 +476,11 @@ def _to_buffer(layer, layer_idx, which, incoming, mode, autocast_dtype, compilin
     # A widening cast is exact and silent in every mode (the read side reports what it costs).
     if narrows and mode == guard.STRICT:
         raise guard.CacheDtypeError(layer, which, stored, incoming, layer_idx)
+    if narrows and not compiling:
+        guard.warn_cache_rounding_once(layer_idx, layer, which, stored.dtype, incoming.dtype)
+    if not cast:
+        return incoming
     if not compiling:
-        if narrows:
-            guard.warn_cache_rounding_once(layer_idx, layer, which, stored.dtype, incoming.dtype)
         from overlay import report
 
         report.record(PATCH_ID, f"stored {incoming.dtype} {which} in a {stored.dtype} static cache")
@@ -435,8 +530,10 @@ def _replace_encoder_decoder_init(original, variant):
     """``EncoderDecoderCache.__init__`` that tells the self-attention cache its cross-attention cache."""
 
     @wraps(original)
-    def __init__(self, *caches):
-        original(self, *caches)
+    def __init__(self, *args, **kwargs):
+        # 4.55 names its two caches (``self_attention_cache``, ``cross_attention_cache``; its own
+        # ``from_legacy_cache`` passes them by name); 4.56 on take ``*caches``.
+        original(self, *args, **kwargs)
         # A plain reference (no cycle: the parent holds both, the self cache holds the cross one):
         # deepcopy/pickle of the parent keep it pointing at the copied cross-attention cache.
         holder = getattr(self.self_attention_cache, "__dict__", None)
@@ -447,6 +544,12 @@ def _replace_encoder_decoder_init(original, variant):
 
 
 # The sliding layer classes of each variant's releases, with the rule of each class's own update.
+# 4.55: ChunkedSlidingLayer's update writes in place (index_copy_) while the window has room, as 4.56's;
+# StaticLayer and SlidingWindowLayer cast the states to their buffers' dtype first (``_CASTS_4_55``).
+_SLIDING_4_55 = {"ChunkedSlidingLayer": _chunked_window_writes}
+_CASTS_4_55 = ("StaticLayer", "SlidingWindowLayer")
+# 4.56 on: Cache.update calls the layer itself (no CacheProcessor hooks) and no layer casts on write.
+_FROM_4_56 = {"cache_processors": False, "casts_on_write": ()}
 _SLIDING_4_56_TO_4_57 = {
     "SlidingWindowLayer": _rolling_window_writes,  # 4.56 (4.57: a deprecated alias, no update of its own)
     "ChunkedSlidingLayer": _chunked_window_writes,  # 4.56 (4.57: the same)
@@ -464,6 +567,7 @@ PATCH = Patch(
         "Expected query, key, and value to have the same dtype, but got query.dtype: c10::BFloat16 "
         "key.dtype: float and value.dtype: float instead.",
         "expected scalar type BFloat16 but found Float",
+        "expected scalar type Float but found BFloat16",
         "query and key must have the same dtype",
     ),
     why=(
@@ -472,25 +576,39 @@ PATCH = Patch(
         "bfloat16 states and a bfloat16 query."
     ),
     upstream="none: no transformers release up to 5.24.0 aligns KV cache dtypes",
-    affected=">=4.56.0",
+    affected=">=4.55.0",
     fixed_in=None,
     targets=(
         Target(
             module=MODULE,
             qualname="Cache.update",
             originals={
+                # @apply_processors (CacheProcessor hooks) around append_new_layers / layer.update.
+                "9680fb5f3f8f10b6fdf276dc7b4996c04b2f20fb14d54415a883afd8a70d72c7": Variant(
+                    "4.55.0-4.55.4",
+                    {
+                        "cache_processors": True,
+                        "casts_on_write": _CASTS_4_55,
+                        "initialise": _allocated_by_constructor,
+                        "sliding_layers": _SLIDING_4_55,
+                    },
+                ),
                 # One Cache.update body: append replicated layers / offload / layer.update / offload.
                 "7e7c5aa6653e0d724f39d64f6810ed4f046039cc3bda5dfa3747e6d4fa64d891": Variant(
-                    "4.56.0-4.57.6", {"initialise": _initialise_from_keys, "sliding_layers": _SLIDING_4_56_TO_4_57}
+                    "4.56.0-4.57.6",
+                    {**_FROM_4_56, "initialise": _initialise_from_keys, "sliding_layers": _SLIDING_4_56_TO_4_57},
                 ),
                 "1206ec15a39fd09fa1a2223cf9cb8bbf8476025c024f015a0e16664e8eabcb17": Variant(
-                    "5.0.0-5.3.0", {"initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_5_0_TO_5_3}
+                    "5.0.0-5.3.0",
+                    {**_FROM_4_56, "initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_5_0_TO_5_3},
                 ),
                 "679ec869a03c94506ac836f8ebb49419af008974a65f450096ec608ebdfa34c7": Variant(
-                    "5.4.0-5.19.0", {"initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_FROM_5_4}
+                    "5.4.0-5.19.0",
+                    {**_FROM_4_56, "initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_FROM_5_4},
                 ),
                 "7f41008b39efeecc1e320035d7b10642f1562c7466514cd05136cf6fc451d6e6": Variant(
-                    "5.20.0-5.24.0", {"initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_FROM_5_4}
+                    "5.20.0-5.24.0",
+                    {**_FROM_4_56, "initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_FROM_5_4},
                 ),
             },
             replace=_replace_cache_update,
@@ -499,6 +617,7 @@ PATCH = Patch(
             module=MODULE,
             qualname="EncoderDecoderCache.__init__",
             originals={
+                "dc5bd405918bc0431ef69ddca01182c8d19d6999509dcee6f382ebce5bdc9fdd": "4.55.0-4.55.4",
                 "ac9d12d04b96eaeedba2fe33b24b949f464bae7e5d668f77c53a80ec127bd444": "4.56.0-4.57.6",
                 "75023ce759abbc1f191173f5f5c1342c2a24fe5e668bb7dec085635850bdc581": "5.0.0-5.24.0",
             },

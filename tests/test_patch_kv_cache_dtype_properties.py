@@ -41,12 +41,9 @@ PATCH.skip_module_unless_covered()
 import inspect  # noqa: E402
 
 from transformers import cache_utils  # noqa: E402
-from transformers.cache_utils import (  # noqa: E402
-    Cache,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    StaticLayer,
-)
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer  # noqa: E402
+
+from overlay.testing import models  # noqa: E402
 
 EXAMPLES = int(os.environ.get("ATTN_OVERLAY_PROPERTY_EXAMPLES", "120"))
 
@@ -55,17 +52,34 @@ BATCH, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_LEN, WINDOW = 1, 2, 2, 8, 12, 4
 # layers with updates of their own instead: ChunkedSlidingLayer (any number of tokens per step, as
 # StaticSlidingWindowLayer) and SlidingWindowLayer (what StaticCache builds for sliding layers: a
 # rolling window that takes one token per step once full; see run_example).
+# 4.55.x ships both of 4.56's too (same branches; its SlidingWindowLayer casts what it stores, as its
+# StaticLayer does), and no DynamicSlidingWindowLayer (added in 4.56.0).
 STATIC_SLIDING = getattr(cache_utils, "StaticSlidingWindowLayer", None) or cache_utils.ChunkedSlidingLayer
+# 4.55.x: static layers allocate their buffers in their constructor, in the dtype given there (no lazy
+# or early initialisation): a layer is built in the example's stored dtype, which is the dtype a
+# "previous model" would have built it in; 4.56.0 on, the layer picks its dtype when first written
+# (or early-initialised), and the factories ignore ``stored``.
+EAGER_STATIC_LAYERS = not hasattr(Cache, "early_initialization")
+
+
+def _static(layer_class, stored, **sizes):
+    if EAGER_STATIC_LAYERS:
+        shape = dict(batch_size=BATCH, num_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=stored, device=torch.device("cpu"))
+        return layer_class(max_cache_len=MAX_LEN, **sizes, **shape)
+    return layer_class(max_cache_len=MAX_LEN, **sizes)
+
+
 LAYERS = {
-    "dynamic": lambda: DynamicLayer(),
-    "dynamic_sliding": lambda: DynamicSlidingWindowLayer(sliding_window=WINDOW),
-    "static": lambda: StaticLayer(max_cache_len=MAX_LEN),
-    "static_sliding": lambda: STATIC_SLIDING(max_cache_len=MAX_LEN, sliding_window=WINDOW),
+    "dynamic": lambda stored: DynamicLayer(),
+    "static": lambda stored: _static(StaticLayer, stored),
+    "static_sliding": lambda stored: _static(STATIC_SLIDING, stored, sliding_window=WINDOW),
 }
-if "update" in vars(getattr(cache_utils, "SlidingWindowLayer", object)):  # 4.56's rolling window
-    LAYERS["static_rolling"] = lambda: cache_utils.SlidingWindowLayer(max_cache_len=MAX_LEN, sliding_window=WINDOW)
-# 4.56.0-5.3.0: Cache.update(key_states, value_states, layer_idx, cache_kwargs), and the layers read the
-# write positions from cache_kwargs["cache_position"] (4.56's sliding layers require it); later
+if hasattr(cache_utils, "DynamicSlidingWindowLayer"):  # 4.56.0 on
+    LAYERS["dynamic_sliding"] = lambda stored: cache_utils.DynamicSlidingWindowLayer(sliding_window=WINDOW)
+if "update" in vars(getattr(cache_utils, "SlidingWindowLayer", object)):  # 4.55's and 4.56's rolling window
+    LAYERS["static_rolling"] = lambda stored: _static(cache_utils.SlidingWindowLayer, stored, sliding_window=WINDOW)
+# 4.55.0-5.3.0: Cache.update(key_states, value_states, layer_idx, cache_kwargs), and the layers read the
+# write positions from cache_kwargs["cache_position"] (4.55's and 4.56's sliding layers require it); later
 # releases track positions in the layers and take no cache_kwargs.
 TAKES_CACHE_KWARGS = "cache_kwargs" in inspect.signature(Cache.update).parameters
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,7 +111,7 @@ def run_example(ex):
     generator = torch.Generator().manual_seed(ex["seed"])
     stored = DTYPES[ex["stored"]]
     key_dtype, value_dtype = DTYPES[ex["key_dtype"]], DTYPES[ex["value_dtype"]]
-    cache = Cache(layers=[LAYERS[ex["layer"]]()])
+    cache = models.cache_of_layers([LAYERS[ex["layer"]](stored)])
     # 4.56's rolling SlidingWindowLayer takes one token per step once full (more fail on stock in any dtype).
     steps = [1] * len(ex["steps"]) if ex["layer"] == "static_rolling" else ex["steps"]
     position = 0
@@ -114,7 +128,8 @@ def run_example(ex):
         warnings.simplefilter("always")
         try:
             if ex["early_init"]:
-                cache.early_initialization(BATCH, KV_HEADS, HEAD_DIM, stored, "cpu")
+                if not EAGER_STATIC_LAYERS:  # 4.55.x: the constructor allocated the buffers in ``stored``
+                    cache.early_initialization(BATCH, KV_HEADS, HEAD_DIM, stored, "cpu")
             else:  # the prompt, written by the previous model in the stored dtype
                 update(_states(generator, ex["prompt"], stored), _states(generator, ex["prompt"], stored))
             autocast = torch.autocast("cpu", dtype=torch.bfloat16) if ex["autocast"] else contextlib.nullcontext()
@@ -165,7 +180,7 @@ def _ex(layer, stored, key_dtype, value_dtype=None, autocast=False, attention="s
 
 
 def _release_examples(test):
-    """The user-built static cache scenario on 4.56's rolling sliding window, where the release ships it."""
+    """The user-built static cache scenario on 4.55's and 4.56's rolling sliding window, where the release ships it."""
     if "static_rolling" in LAYERS:
         test = example(ex=_ex("static_rolling", "float32", "bfloat16", early_init=True))(test)
         test = example(ex=_ex("static_rolling", "bfloat16", "float32"))(test)  # wraps: prompt longer than the window
@@ -182,6 +197,7 @@ def _release_examples(test):
 @example(ex=_ex("dynamic", "float32", "float32", "bfloat16", autocast=True))  # 15.3: autocast, values in key dtype
 @example(ex=_ex("static", "float32", "float32", "bfloat16", autocast=True, early_init=True))  # autocast + static
 @example(ex=_ex("static_sliding", "float32", "bfloat16", steps=(3, 1)))  # sliding window wraps
+@example(ex=_ex("static_sliding", "bfloat16", "float32", steps=(3,)))  # full window, 3 tokens: concatenated (works on stock)
 @_release_examples
 def test_the_patch_never_fails_or_changes_results_where_stock_works(ex):
     with overlay.reverted():

@@ -13,15 +13,18 @@ tiny random models:
   read directly by the models, stock fails (inline attention: MVP; T5 too with only this patch);
   the overlay must give the tokens of the all-bfloat16 reference (issue 15.4);
 - the hot path: when dtypes agree, ``Cache.update`` with the overlay runs exactly as many Python
-  frames as stock (issue 12: no wrapper frame).
+  frames as stock (issue 12: no wrapper frame); on 4.55.x one fewer: the replacement does the
+  processor checks of stock's ``@apply_processors`` wrapper in its own frame.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import sys
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -34,21 +37,33 @@ from overlay.testing.harness import PatchUnderTest
 PATCH = PatchUnderTest("kv_cache_dtype")
 PATCH.skip_module_unless_covered()
 
+from transformers import cache_utils  # noqa: E402
 from transformers import (  # noqa: E402  (after the version gate)
+    Cache,
     DynamicCache,
     EncoderDecoderCache,
     MvpConfig,
     MvpForConditionalGeneration,
-    StaticCache,
 )
 
-# The patch's own error texts; index_copy_'s without its dtypes (both directions occur here).
-INDEX_COPY_ERROR = PATCH.error("index_copy_").split(", but got")[0]
-EAGER_ERROR = PATCH.error("expected scalar type")
-NEW_TOKENS = 5
+# 4.55.x: StaticLayer.update casts the states to its buffers' dtype before writing (the variant's
+# ``casts_on_write``): stock stores a mismatch and attention then fails on what the cache hands back.
+_VARIANT = PATCH.patch.targets[0].variant_of(PATCH.stock())
+STATIC_LAYERS_CAST_ON_WRITE = _VARIANT is not None and bool(_VARIANT["casts_on_write"])
 
-# 5.13.0-5.23.x: DynamicLayer.lazy_initialization allocates values in the keys' dtype.
-DYNAMIC_VALUES_IN_KEY_DTYPE = PATCH.transformers < type(PATCH.transformers)("5.24.0")
+# The patch's own error texts; index_copy_'s and SDPA's without their dtypes (both directions occur here).
+INDEX_COPY_ERROR = PATCH.error("index_copy_").split(", but got")[0]
+SDPA_ERROR = PATCH.error("Expected query, key").split(", but got")[0]
+EAGER_ERROR = PATCH.error("expected scalar type BFloat16")
+# A kept bfloat16 static cache with a float32 (sdpa) model: index_copy_ refuses the write, or (4.55.x) SDPA the read.
+STATIC_WRITE_ERROR = SDPA_ERROR if STATIC_LAYERS_CAST_ON_WRITE else INDEX_COPY_ERROR
+NEW_TOKENS = 5
+# 4.55.0-5.3.0: Cache.update(key_states, value_states, layer_idx, cache_kwargs); later releases take none.
+TAKES_CACHE_KWARGS = "cache_kwargs" in inspect.signature(Cache.update).parameters
+
+# 4.56.0-5.23.x: DynamicLayer.lazy_initialization allocates values in the keys' dtype (4.55.x has no lazy
+# initialisation: its DynamicLayer stores the first states as they come).
+DYNAMIC_VALUES_IN_KEY_DTYPE = type(PATCH.transformers)("4.56.0") <= PATCH.transformers < type(PATCH.transformers)("5.24.0")
 
 # Expected casts are asserted where they matter (warnings recorded); keep the rest out of the summary.
 pytestmark = [
@@ -98,7 +113,7 @@ def generate(model, **kwargs):
 def prefix_cache(kind: str, attn: str, dtype: torch.dtype) -> DynamicCache:
     """A prompt prefix computed once by the ``dtype`` twin of the model."""
     model = tiny_lm(kind, attn, dtype)
-    cache = DynamicCache(config=model.config)
+    cache = models.dynamic_cache(model.config)
     with torch.no_grad():
         model(input_ids=INPUT_IDS[:, :-1], attention_mask=ATTENTION_MASK[:, :-1], past_key_values=cache, use_cache=True)
     return cache
@@ -126,7 +141,7 @@ def test_plain_autocast_with_the_default_cache_generates_as_stock(kind, attn, mo
 def test_the_autocast_premise_values_are_promoted_on_stock():
     # Why 15.3 happens on 5.13.0-5.23.x: the default cache stores values in float32 under autocast.
     model = tiny_lm("llama", "sdpa", torch.float32)
-    cache = DynamicCache(config=model.config)
+    cache = models.dynamic_cache(model.config)
     with stock(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK, past_key_values=cache, use_cache=True)
     expected = torch.float32 if DYNAMIC_VALUES_IN_KEY_DTYPE else torch.bfloat16
@@ -155,16 +170,14 @@ def test_float32_model_continuing_a_bfloat16_prefix_keeps_stock_precision(kind, 
 
 
 def _static_cache(model, dtype, max_cache_len=16):
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    cache.early_initialization(INPUT_IDS.shape[0], model.config.num_key_value_heads, model.config.head_dim, dtype, "cpu")
-    return cache
+    return models.static_cache(model.config, INPUT_IDS.shape[0], max_cache_len, dtype, "cpu")
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_kept_bfloat16_static_cache_with_a_float32_model_says_precision_is_lost(kind):
     model = tiny_lm(kind, "sdpa", torch.float32)
     with stock():
-        with pytest.raises(RuntimeError, match=re.escape(INDEX_COPY_ERROR)):
+        with pytest.raises(RuntimeError, match=re.escape(STATIC_WRITE_ERROR)):
             generate(model, past_key_values=_static_cache(model, torch.bfloat16))
         ref_tokens, ref_logits = generate(model, past_key_values=_static_cache(model, torch.float32))
     with patch_on(), warnings.catch_warnings(record=True) as caught:
@@ -219,9 +232,14 @@ def tiny_seq2seq(kind: str, dtype: torch.dtype):
     return _SEQ2SEQ[key]
 
 
-def float32_encoder_decoder_prefix(kind: str, cast_to: torch.dtype | None = None) -> EncoderDecoderCache:
-    """Encoder run and decoder prompt computed once by the float32 twin (self- and cross-attention filled)."""
-    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+def float32_encoder_decoder_prefix(kind: str, cast_to: torch.dtype | None = None, by_name: bool = False) -> EncoderDecoderCache:
+    """Encoder run and decoder prompt computed once by the float32 twin (self- and cross-attention filled).
+    ``by_name``: the cache built as ``EncoderDecoderCache(self_attention_cache=..., cross_attention_cache=...)``
+    (4.55.x only: later releases take ``*caches``)."""
+    if by_name:
+        cache = EncoderDecoderCache(self_attention_cache=DynamicCache(), cross_attention_cache=DynamicCache())
+    else:
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
     with torch.no_grad():
         tiny_seq2seq(kind, torch.float32)(
             input_ids=SOURCE_IDS, decoder_input_ids=DECODER_IDS[:, :-1], past_key_values=cache, use_cache=True
@@ -281,17 +299,121 @@ def test_strict_mode_names_the_cross_attention_cache():
             generate_seq2seq(model, float32_encoder_decoder_prefix("mvp"))
 
 
+def test_encoder_decoder_cache_takes_the_arguments_stock_takes():
+    # 4.55.x names its two caches (its own from_legacy_cache passes them by name); 4.56.0 on take
+    # *caches and refuse names. The replacement takes exactly what stock takes, and a cache built by
+    # name is aligned like one built by position.
+    def by_name():
+        try:
+            EncoderDecoderCache(self_attention_cache=DynamicCache(), cross_attention_cache=DynamicCache())
+        except TypeError as error:
+            return f"TypeError: {error}"
+        return "built"
+
+    with stock():
+        expected = by_name()
+    with patch_on():
+        assert by_name() == expected
+    if expected != "built":
+        return
+    model = tiny_seq2seq("mvp", torch.bfloat16)
+    with stock():
+        ref_tokens, ref_logits = generate_seq2seq(model, float32_encoder_decoder_prefix("mvp", cast_to=torch.bfloat16))
+    with patch_on():
+        cache = float32_encoder_decoder_prefix("mvp", by_name=True)
+        tokens, logits = generate_seq2seq(model, cache)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+    assert {layer.keys.dtype for layer in cache.cross_attention_cache.layers} == {torch.bfloat16}
+
+
+# -- 4.55.x: cache processors -------------------------------------------------------------------------
+
+CACHE_PROCESSORS = hasattr(cache_utils, "CacheProcessor")
+NO_PROCESSORS = (
+    f"transformers {PATCH.transformers} has no cache processors: CacheProcessor hooks around Cache.update "
+    "(@apply_processors) exist in 4.55.x only (4.56.0 replaced them with an offloading flag and quantized layers)"
+)
+
+
+def processor_cache() -> DynamicCache:
+    """A ``DynamicCache`` with a user's ``CacheProcessor`` that logs every hook stock runs around a layer update."""
+
+    class Recording(cache_utils.CacheProcessor):
+        def __init__(self, cache, **kwargs):
+            self.log = []
+
+        def pre_update(self, cache, key_states, value_states, layer_idx, cache_kwargs=None):
+            self.log.append(("pre", layer_idx, key_states.shape[-2], key_states.dtype))
+            return key_states, value_states
+
+        def post_update(self, cache, key_tensors, value_tensors, layer_idx, cache_kwargs=None):
+            self.log.append(("post", layer_idx, key_tensors.shape[-2]))
+            return key_tensors, value_tensors
+
+    return DynamicCache(cache_processor=Recording)
+
+
+@pytest.mark.skipif(not CACHE_PROCESSORS, reason=NO_PROCESSORS)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_cache_processor_hooks_run_as_on_stock_when_dtypes_agree(attn):
+    # The fast path takes a cache only without a processor: with one, every hook runs as on stock.
+    model = tiny_lm("qwen3", attn, torch.bfloat16)
+
+    def run():
+        cache = processor_cache()
+        tokens, logits = generate(model, past_key_values=cache)
+        return tokens, logits, cache.cache_processor.log
+
+    with stock():
+        ref_tokens, ref_logits, ref_log = run()
+    with patch_on():
+        tokens, logits, log = run()
+    assert len(ref_log) == 2 * model.config.num_hidden_layers * NEW_TOKENS  # pre and post, every layer, every step
+    assert log == ref_log
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+
+
+@pytest.mark.skipif(not CACHE_PROCESSORS, reason=NO_PROCESSORS)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_float32_prefix_in_a_cache_with_a_processor_then_bfloat16_decoding(attn):
+    model = tiny_lm("qwen3", attn, torch.bfloat16)
+    expected_error = {"sdpa": PATCH.error("Expected query, key"), "eager": EAGER_ERROR}[attn]
+
+    def prefixed(cast_to=None):
+        cache = processor_cache()
+        with torch.no_grad():
+            tiny_lm("qwen3", attn, torch.float32)(
+                input_ids=INPUT_IDS[:, :-1], attention_mask=ATTENTION_MASK[:, :-1], past_key_values=cache, use_cache=True
+            )
+        if cast_to is not None:
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.to(cast_to), layer.values.to(cast_to)
+        cache.cache_processor.log.clear()  # the hooks of decoding only
+        return cache
+
+    with stock():
+        with pytest.raises(RuntimeError, match=re.escape(expected_error)):
+            generate(model, past_key_values=prefixed())
+        ref_cache = prefixed(cast_to=torch.bfloat16)
+        ref_tokens, ref_logits = generate(model, past_key_values=ref_cache)
+    with patch_on():
+        cache = prefixed()
+        tokens, logits = generate(model, past_key_values=cache)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+    assert cache.cache_processor.log == ref_cache.cache_processor.log  # every hook ran, with the same states
+
+
 # -- issue 12: the hot path ---------------------------------------------------------------------------
 
 
-def _python_calls(call) -> int:
-    """How many Python frames ``call()`` runs (C functions not counted)."""
-    count = 0
+def _python_calls(call) -> Counter:
+    """The Python frames ``call()`` runs, by qualified name (C functions not counted)."""
+    count = Counter()
 
     def profile(frame, event, arg):
-        nonlocal count
         if event == "call":
-            count += 1
+            code = frame.f_code
+            count[getattr(code, "co_qualname", code.co_name)] += 1
 
     sys.setprofile(profile)
     try:
@@ -308,28 +430,36 @@ def test_hot_path_runs_no_extra_python_frame(cache_kind):
     v_prefix = torch.randn(1, 2, 32, 8, dtype=torch.bfloat16)
     k, v = torch.randn(1, 2, 1, 8, dtype=torch.bfloat16), torch.randn(1, 2, 1, 8, dtype=torch.bfloat16)
 
-    def decode_step_calls() -> tuple[int, torch.Tensor]:
+    def decode_step_calls() -> tuple[Counter, torch.Tensor]:
         if cache_kind == "static":
-            cache = StaticCache(config=config, max_cache_len=40)
-            cache.early_initialization(1, 2, 8, torch.bfloat16, "cpu")
+            cache = models.static_cache(config, 1, 40, torch.bfloat16, "cpu")
         else:
-            cache = DynamicCache(config=config)
-        cache.update(k_prefix, v_prefix, 0)
-        calls = _python_calls(lambda: cache.update(k, v, 0))
-        return calls, cache.update(k, v, 0)[0]
+            cache = models.dynamic_cache(config)
+        # As the models call it: up to 5.3.0 with ``cache_kwargs`` holding the write positions (4.55.x's
+        # StaticLayer needs them: without, it copies the states over its whole buffer).
+        def positions(start, length):
+            return ({"cache_position": torch.arange(start, start + length)},) if TAKES_CACHE_KWARGS else ()
+
+        cache.update(k_prefix, v_prefix, 0, *positions(0, 32))
+        calls = _python_calls(lambda: cache.update(k, v, 0, *positions(32, 1)))
+        return calls, cache.update(k, v, 0, *positions(33, 1))[0]
 
     with stock():
         stock_calls, stock_keys = decode_step_calls()
     with patch_on():
         calls, keys = decode_step_calls()
-    assert calls == stock_calls, (calls, stock_calls)
+    # 4.55.x: stock's Cache.update is the wrapper @apply_processors puts around it (its processor checks,
+    # then the decorated update); the replacement is one function: exactly that frame fewer. None elsewhere.
+    wrapper = stock_calls["apply_processors.<locals>._wrapped_update"]
+    assert wrapper == (1 if _VARIANT["cache_processors"] else 0), stock_calls
+    assert sum(calls.values()) == sum(stock_calls.values()) - wrapper, (calls, stock_calls)
     assert torch.equal(keys, stock_keys)
 
 
 def test_an_error_in_the_layers_update_is_raised_once_as_on_stock():
     # The fast path's checks are guarded against odd objects; the layer's own update must not be:
     # an AttributeError/TypeError raised inside it reaches the caller, and the update ran once.
-    from transformers.cache_utils import Cache, DynamicLayer
+    from transformers.cache_utils import DynamicLayer
 
     class FailingLayer(DynamicLayer):
         calls = 0
@@ -344,7 +474,7 @@ def test_an_error_in_the_layers_update_is_raised_once_as_on_stock():
 
     def run():
         FailingLayer.calls = 0
-        cache = Cache(layers=[FailingLayer()])
+        cache = models.cache_of_layers([FailingLayer()])
         cache.update(k, k, 0)
         with pytest.raises(AttributeError, match="boom from the layer"):
             cache.update(k, k, 0)
