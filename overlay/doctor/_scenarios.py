@@ -156,9 +156,8 @@ def run_cache_dtype_static(device, **_) -> list[dict]:
     """A user-built ``StaticCache`` early-initialised in float32, passed to a bfloat16 model;
     reference: the same cache built in bfloat16. The fix: ``kv-cache-dtype`` (no release)."""
     import torch
-    from transformers import StaticCache
 
-    from overlay.testing.models import cache_argument_name, left_padded_batch, on_device, tiny_model
+    from overlay.testing.models import cache_argument_name, left_padded_batch, on_device, static_cache, tiny_model
 
     batch = on_device(left_padded_batch(PROMPT_LENGTHS), device)
     max_cache_len = batch["input_ids"].shape[1] + MAX_NEW_TOKENS
@@ -168,14 +167,7 @@ def run_cache_dtype_static(device, **_) -> list[dict]:
         config = model.config
 
         def cache_in(dtype, model=model, config=config):
-            cache = StaticCache(config=config, max_cache_len=max_cache_len)
-            cache.early_initialization(
-                batch_size=batch["input_ids"].shape[0],
-                num_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                dtype=dtype,
-                device=model.device,
-            )
+            cache = static_cache(config, batch["input_ids"].shape[0], max_cache_len, dtype, model.device)
             return {cache_argument_name(model): cache}
 
         cases.append(
@@ -194,9 +186,8 @@ def run_cache_dtype_prefix(device, **_) -> list[dict]:
     bfloat16 decoding from it; reference: the same prefix cache cast to bfloat16 by hand. The
     fix: ``kv-cache-dtype`` (no release)."""
     import torch
-    from transformers import DynamicCache
 
-    from overlay.testing.models import cache_argument_name, tiny_model
+    from overlay.testing.models import cache_argument_name, dynamic_cache, tiny_model
 
     generator = torch.Generator().manual_seed(1)
     prefix = torch.randint(3, 128, (2, 6), generator=generator).to(device)
@@ -210,7 +201,7 @@ def run_cache_dtype_prefix(device, **_) -> list[dict]:
         name = cache_argument_name(model32)
 
         def prefix_cache(model32=model32, name=name):
-            cache = DynamicCache(config=model32.config)
+            cache = dynamic_cache(model32.config)
             with torch.no_grad():
                 model32(input_ids=prefix, attention_mask=torch.ones_like(prefix), use_cache=True, **{name: cache})
             return cache
