@@ -36,6 +36,7 @@ DEVICE_MOVE = PatchUnderTest("device_move")
 KV_CACHE_DTYPE = PatchUnderTest("kv_cache_dtype")
 TP_HEADS = PatchUnderTest("static_cache_tp_heads")
 KEPT_CACHE = PatchUnderTest("kept_static_cache")
+CHUNKED_PREFILL = PatchUnderTest("chunked_prefill")
 DOCTOR_TIMEOUT_S = 900  # a whole doctor run; each of its subprocesses has its own timeout too
 FAKE_NOTE = (
     "no accelerator found: running on the host-memory fake device `fakeaccel`, which reproduces "
@@ -176,7 +177,7 @@ def test_text_report_is_the_verdict_table(fake_device_run):
     assert any(line.split()[:4] == ["cache-dtype-static", "FAIL", "(0/3", "cases)"] for line in lines), text
     assert "tp-prefill-chunk    skipped: needs torchrun with world size > 1" in text
     assert DTYPE_TEXT.partition(", but got")[0] in text
-    assert lines[-1].startswith("result: every scenario passes with the overlay (4 of 4)")
+    assert lines[-1].startswith("result: every scenario passes with the overlay (5 of 5)")
 
 
 def test_without_a_device_flag_the_doctor_picks_an_accelerator_or_the_fake_device():
@@ -364,8 +365,9 @@ def test_every_scenario_is_proven_by_a_patch_and_every_declared_scenario_exists(
     [
         ("5.18.0", set()),  # every scenario's bug is there
         ("5.24.0", set()),  # fixed upstream: still run (stock must pass, and so must the overlay)
-        ("4.0.0", {"host-inputs-static", "cache-dtype-static", "cache-dtype-prefix", "kept-static-cache", "tp-prefill-chunk"}),
-        ("4.57.6", {"host-inputs-static", "tp-prefill-chunk"}),  # the bugs of 5.13.0's code
+        ("4.0.0", {"host-inputs-static", "cache-dtype-static", "cache-dtype-prefix", "kept-static-cache", "chunked-prefill",
+                   "tp-prefill-chunk"}),
+        ("4.57.6", {"host-inputs-static", "chunked-prefill", "tp-prefill-chunk"}),  # the bugs of 5.x code
     ],
 )
 def test_scenarios_whose_bug_is_not_in_the_release_are_skipped_with_the_reason(monkeypatch, release, not_here):
@@ -394,3 +396,15 @@ def test_kept_static_cache_scenario_on_the_installed_release(fake_device_run):
     fixed_upstream = KEPT_CACHE.fixed_upstream
     assert kept["without"]["ok"] is fixed_upstream
     assert kept["fixed_by_overlay"] is (not fixed_upstream)
+
+
+def test_chunked_prefill_scenario_on_the_installed_release(fake_device_run):
+    # 5.0.0rc1 - 5.2.0: stock fails (the static cache's last write past its end; 5.0.0 also refuses
+    # the default cache); 5.3.0 on: fixed upstream, stock passes. The overlay passes either way.
+    _, report, _ = fake_device_run
+    scenario = _scenario(report, "chunked-prefill")
+    assert [c["name"] for c in scenario["with"]["cases"]] == ["llama, static cache", "gemma3, static cache", "llama, default cache"]
+    fixed_upstream = CHUNKED_PREFILL.fixed_upstream
+    assert scenario["without"]["ok"] is fixed_upstream
+    assert scenario["with"]["patches"] == {"chunked-prefill": "fixed upstream" if fixed_upstream else "applied"}
+    _assert_fixed_with_identical_tokens(scenario)
