@@ -80,8 +80,17 @@ class PatchStatus:
 class _Swap:
     owner: Any
     name: str
-    original: Any  # the raw object found in owner.__dict__ (function, staticmethod, ...)
+    original: Any  # the raw object found in owner.__dict__ (function, staticmethod, ...) or inherited
     replacement: Any
+    # The owner inherited the original (Target.inherited_from): a revert deletes the replacement
+    # from the owner's namespace instead of putting the original there.
+    inherited: bool = False
+
+    def undo(self) -> None:
+        if self.inherited:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.original)
 
 
 @dataclass
@@ -207,13 +216,14 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
             setattr(new, PATCH_MARKER, patch.id)
             if getattr(new, "__wrapped__", None) is None:
                 new.__wrapped__ = original
-            swaps.append(_Swap(owner, name, raw, _rewrap_like(raw, new)))
+            inherited = vars(owner).get(name) is not raw
+            swaps.append(_Swap(owner, name, raw, _rewrap_like(raw, new), inherited))
         for swap in swaps:
             setattr(swap.owner, swap.name, swap.replacement)
     except Exception as exc:  # a patch that raises leaves every target as it was
         for swap in swaps:
             if vars(swap.owner).get(swap.name) is swap.replacement:
-                setattr(swap.owner, swap.name, swap.original)
+                swap.undo()
         _set(record, FAILED, f"{type(exc).__name__}: {exc}")
         return False
     record.swaps = swaps
@@ -230,7 +240,7 @@ def _revert_record(record: _Record) -> None:
     for swap in reversed(record.swaps):
         current = vars(swap.owner).get(swap.name)
         if current is swap.replacement:
-            setattr(swap.owner, swap.name, swap.original)
+            swap.undo()
         else:
             logger.warning(
                 "attn-overlay: %s.%s was replaced by someone else after the overlay patched it; "

@@ -68,6 +68,19 @@ class Target:
     """Fingerprints meaning "upstream already ships the fix" -> release label."""
     optional: bool = False
     """When true, a release where the attribute does not exist is fine (target skipped)."""
+    inherited_from: str | None = None
+    """``"module:Class.name"``: where the function is defined when the class named in ``qualname``
+    inherits it instead of defining it (``AttentionInterface.__getitem__`` is
+    ``transformers.utils.generic:GeneralInterface.__getitem__``). The engine then reads the function
+    the class really resolves to (its method resolution order), the fingerprint tool reads it from
+    this module's file; the replacement is set on the class itself, so its subclasses see it and its
+    bases (and their other subclasses) do not, and a revert deletes it again: the class's own
+    namespace is left exactly as it was. Where the class defines the function itself, that is the
+    code judged, as for any target."""
+    unless: str | None = None
+    """The qualified name of another function in the same module whose presence makes this target
+    unnecessary (it is that release's entry point, patched by another target): where it exists this
+    target counts as absent, so declare ``optional`` too."""
 
     def __post_init__(self) -> None:
         variants = {
@@ -81,16 +94,27 @@ class Target:
         return f"{self.module}:{self.qualname}"
 
     def locate(self, module: Any) -> tuple[Any, str, Any]:
-        """(owner, attribute name, raw object in the owner's own namespace, or ``None``) for this
-        target in the imported ``module``. The raw object is what ``__dict__`` holds (a
-        ``staticmethod`` stays one): what a swap replaces and a revert puts back."""
-        *path, name = self.qualname.split(".")
-        owner: Any = module
-        for part in path:
-            owner = getattr(owner, part, None)
-            if owner is None:
-                return None, name, None
-        return owner, name, vars(owner).get(name)
+        """(owner, attribute name, raw object, or ``None``) for this target in the imported
+        ``module``. The raw object is what the owner's ``__dict__`` holds (a ``staticmethod`` stays
+        one): what a swap replaces and a revert puts back. For a target with ``inherited_from``
+        whose class does not define the attribute itself, it is what the class inherits (found
+        along its method resolution order; not in the owner's ``__dict__``: a revert deletes the
+        replacement instead of putting it back). ``None`` where the module has no such attribute,
+        or where the target's ``unless`` function exists."""
+        owner, name = _resolve(module, self.qualname)
+        if owner is None:
+            return None, name, None
+        if self.unless is not None:
+            other_owner, other_name = _resolve(module, self.unless)
+            if other_owner is not None and getattr(other_owner, other_name, None) is not None:
+                return owner, name, None
+        raw = vars(owner).get(name)
+        if raw is None and self.inherited_from is not None and isinstance(owner, type):
+            for base in owner.__mro__[1:]:
+                if name in vars(base):
+                    raw = vars(base)[name]
+                    break
+        return owner, name, raw
 
     def stock(self, module: Any) -> Any:
         """The release's own function for this target in ``module``, behind any overlay
@@ -114,6 +138,17 @@ class Target:
         if variant is None:
             raise ValueError(f"{self.key}: the given function is not a known original (sha256 {fingerprint(original)[:12]})")
         return self.replace(original, variant)
+
+
+def _resolve(module: Any, qualname: str) -> tuple[Any, str]:
+    """(the object holding the last part of ``qualname``, that last part), or ``(None, name)``."""
+    *path, name = qualname.split(".")
+    owner: Any = module
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None, name
+    return owner, name
 
 
 @dataclass(frozen=True)

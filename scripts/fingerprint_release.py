@@ -110,6 +110,29 @@ def target_fingerprint(read: ReadFile, module: str, qualname: str) -> str | None
     return None if source is None else fingerprint_source(source)
 
 
+def target_source(read: ReadFile, target) -> str | None:
+    """The code of ``target`` (an ``overlay.patch.Target``) in a release's files, as the engine
+    judges it (``Target.locate``): ``None`` where the target's ``unless`` function exists; where
+    its class does not define the function but the target names ``inherited_from``, that
+    definition (the engine follows the class's method resolution order, which files cannot show:
+    a release that changes the hierarchy shows there as code the patch does not know)."""
+    if target.unless is not None and extract_target_source(read, target.module, target.unless) is not None:
+        return None
+    source = extract_target_source(read, target.module, target.qualname)
+    if source is None and target.inherited_from is not None:
+        owner = target.qualname.rpartition(".")[0]
+        if owner and extract_target_source(read, target.module, owner) is not None:
+            module, _, qualname = target.inherited_from.partition(":")
+            source = extract_target_source(read, module, qualname)
+    return source
+
+
+def fingerprint_of_target(read: ReadFile, target) -> str | None:
+    """sha256 of :func:`target_source`."""
+    source = target_source(read, target)
+    return None if source is None else fingerprint_source(source)
+
+
 def definition_first_line(tree: ast.Module, qualname: str) -> int | None:
     """1-based first line (first decorator) of the definition of ``qualname`` that the module
     binds, found as the engine's fingerprint finds it; ``None`` when there is none. The tests
@@ -205,7 +228,7 @@ class ReleaseReport:
 def report_patch(patch, version: str, read: ReadFile) -> PatchReport:
     report = PatchReport(id=patch.id, declared=matrix_data.expected_status(patch, version), code="")
     # The engine's own code verdict, on the release's files instead of its live functions.
-    verdict = judge_code(patch, lambda target: extract_target_source(read, target.module, target.qualname))
+    verdict = judge_code(patch, lambda target: target_source(read, target))
     report.code = verdict.state
     for m in verdict.matches:
         covers = label_covers(m.label, version) if m.label is not None else None

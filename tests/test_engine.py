@@ -410,3 +410,63 @@ def test_apply_without_strict_keeps_the_mode_in_force(toy, monkeypatch):
         engine.apply(strict=False)  # the caller's choice beats the environment
         engine.apply()  # and a later apply() without one keeps it
         assert engine.settings().strict is False
+
+
+INHERITING_SOURCE = CORE_SOURCE + '''
+
+class Child(Mixin):
+    pass
+
+
+class Other(Mixin):
+    pass
+'''
+
+
+def _inherited_target(toy, unless=None):
+    """``Child.compute``, which ``Child`` inherits from ``Mixin`` (Target.inherited_from)."""
+    return Target(
+        module=toy.module,
+        qualname="Child.compute",
+        inherited_from=f"{toy.module}:Mixin.compute",
+        unless=unless,
+        optional=True,
+        originals={toy.fingerprint("def compute"): "1.x"},
+        replace=add_two,
+    )
+
+
+def test_an_inherited_target_is_set_on_its_class_only_and_revert_deletes_it(tmp_path):
+    toy = _toy_at(tmp_path, "1.5.0", INHERITING_SOURCE)
+    try:
+        core = toy.import_core()
+        before = {cls: dict(vars(cls)) for cls in (core.Mixin, core.Child, core.Other)}
+        patch = toy_patch(toy, extra_targets=(_inherited_target(toy),))
+        with engine.isolated([patch], distribution=toy.name):
+            engine.apply()
+            assert _state().state == engine.APPLIED and _state().variants == ("1.x", "1.x")
+            replacement = vars(core.Child)["compute"]
+            assert replacement.__wrapped__ is before[core.Mixin]["compute"]
+            assert "compute" not in vars(core.Other)
+            engine.revert()
+        assert {cls: dict(vars(cls)) for cls in (core.Mixin, core.Child, core.Other)} == before
+        assert "compute" not in vars(core.Child) and core.Child().compute(1) == 2
+    finally:
+        remove_from_path(toy)
+
+
+def test_a_target_is_absent_where_its_unless_function_exists(tmp_path):
+    # Child.compute stands in only where Mixin.scale does not exist (here it does): absent, not
+    # read, not patched; the patch applies with its other target.
+    toy = _toy_at(tmp_path, "1.5.0", INHERITING_SOURCE)
+    try:
+        core = toy.import_core()
+        target = _inherited_target(toy, unless="Mixin.scale")
+        assert target.locate(core)[2] is None
+        assert _inherited_target(toy, unless="Mixin.no_such_method").locate(core)[2] is vars(core.Mixin)["compute"]
+        with engine.isolated([toy_patch(toy, extra_targets=(target,))], distribution=toy.name):
+            engine.apply()
+            assert _state().state == engine.APPLIED and _state().variants == ("1.x",)
+            assert "compute" not in vars(core.Child)
+    finally:
+        remove_from_path(toy)

@@ -46,7 +46,7 @@ def _runtime_function(target):
 def test_extraction_from_files_equals_runtime_fingerprint(patch, target):
     with overlay.reverted():  # the code as shipped, whatever another test left applied
         func = _runtime_function(target)
-        from_files = tool.target_fingerprint(tool.directory_reader(INSTALLED_ROOT), target.module, target.qualname)
+        from_files = tool.fingerprint_of_target(tool.directory_reader(INSTALLED_ROOT), target)
         if func is None:
             # Missing is fine where the engine never reads the code (outside the patch's range).
             in_range = matrix_data.expected_status(patch, INSTALLED_VERSION) != matrix_data.OUT_OF_RANGE
@@ -114,12 +114,14 @@ def test_extraction_matches_runtime_on_decorated_nested_and_redefined_code(tmp_p
 
 
 def _wheel_from_installed(path: Path, version: str, change: tuple[str, str] | None = None) -> Path:
-    """A wheel holding the installed files of every patch module; ``change`` = (module,
-    qualname) gets one character changed inside that definition."""
+    """A wheel holding the installed files of every patch module (and of the modules a target's
+    inherited function is defined in); ``change`` = (module, qualname) gets one character changed
+    inside that definition."""
     wheel = path / f"transformers-{version}-py3-none-any.whl"
     read = tool.directory_reader(INSTALLED_ROOT)
+    inherited = {t.inherited_from.partition(":")[0] for p in PATCHES for t in p.targets if t.inherited_from}
     with zipfile.ZipFile(wheel, "w") as archive:
-        for module in sorted({p.module for p in PATCHES}):
+        for module in sorted({p.module for p in PATCHES} | inherited):
             for candidate in tool.module_file_candidates(module):
                 data = read(candidate)
                 if data is None:
