@@ -6,7 +6,7 @@ torch ("Expected all tensors to be on the same device ...", "Expected query, key
 have the same dtype ...", "expected scalar type ... but found ...", "query and key must have the
 same dtype", a matmul shape error) that names neither the layer nor the tensor at fault.
 
-Where the guard sits, and why: every attention layer in 5.x that dispatches through the
+Where the guard sits, and why: every attention layer of 5.1.0 on that dispatches through the
 attention registry calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
 eager_attention_forward)`` right before calling the kernel with ``(module, query, key, value,
 ...)``. ``get_interface`` is the one place that sees both the registered kernels (sdpa,
@@ -49,24 +49,56 @@ the kernel behind a wrapper; what the wrapper does depends on the kernel and the
 Under autocast dtypes are left to autocast (see ``overlay/guard.py``).
 
 Releases: 5.1.0 and later, where ``get_interface`` exists (5.1.0 - 5.18.0 ship one code, 5.19.0 -
-5.24.0 another, with the ``paged|`` prefix: two variants). 5.0.0 and the 4.5x releases have no
-``get_interface``: their models index ``ALL_ATTENTION_FUNCTIONS[...]`` directly or call their own
-eager function, so there is no one dispatch point that sees every kernel; the guard is not
-offered there (the KV-cache side, ``kv-cache-dtype``, still aligns dtypes where it covers).
+5.24.0 another, with the ``paged|`` prefix: two variants), and 4.55.0 - 5.0.0, which have no
+``get_interface``: there every attention layer that dispatches through the registry does
+``attention_interface = eager_attention_forward; if self.config._attn_implementation != "eager":
+attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]`` (a few SAM-family
+models of 5.0.0 index ``ALL_ATTENTION_FUNCTIONS["sdpa"]``). The one place that sees every kernel
+those layers get is the registry lookup, ``AttentionInterface.__getitem__``, which ``AttentionInterface``
+inherits from ``GeneralInterface`` (one code, ``GeneralInterface.__getitem__``, in 4.55.0 - 5.24.0).
+The patch's second target replaces it (:func:`_replace_registry_lookup`): set on
+``AttentionInterface`` itself, never on ``GeneralInterface`` (the mask-function registry and the
+others keep their lookup), only where ``get_interface`` does not exist (``Target.unless``: from
+5.1.0 ``get_interface`` is the dispatch point and the lookup is left alone), and deleted again by a
+revert, so the class is left exactly as stock (``Target.inherited_from``). It hands out the same
+wrappers as ``get_interface``'s replacement, in the same cases (transformers' kernels in ``align``,
+the check before the call for other callables, in ``strict`` and under ``torch.compile``, ``off``
+unwrapped). Every reader of the registry goes through that lookup, not only the attention layers:
+subscripts, ``.get``, ``items()`` and ``values()`` give the guard's wrappers of the very same
+callables (``in``, ``keys()``, ``valid_keys()`` and ``len`` answer as on stock), and an entry copied within the
+registry through it (executorch's ``register("sdpa_without_vmap", ALL_ATTENTION_FUNCTIONS["sdpa"])``)
+stores the wrapper, which the lookup hands back as the kernel's one wrapper, never a wrapper of a
+wrapper. A revert cannot take such a copy back out of the registry: until it is registered again it
+stays the guarded kernel (which computes what the kernel computes).
+
+Eager on 4.55.0 - 5.0.0 is **not guarded**: the models call their own ``eager_attention_forward``
+directly, without the registry, and nothing the overlay patches sees that call; a mismatched q, k,
+v there fails with the kernel's own error, exactly as on stock. The KV-cache side,
+``kv-cache-dtype``, still aligns the dtypes the cache hands back on the releases it covers (see its
+docstring), eager included. The default ``attn_implementation`` of those releases is ``sdpa`` for every
+model that supports it, which goes through the registry: the default path is guarded.
 
 Coverage, honestly: the modeling files of 326 of the 500 model folders of 5.18.0 (357 of 532 in
 5.24.0) dispatch this way, every current decoder LLM among them (Llama, Qwen*, Gemma*, Mistral,
 ...). Not covered: models that index ``ALL_ATTENTION_FUNCTIONS[...]`` directly (SAM-family vision
 models, one Qwen2.5-Omni branch) and the 24 models of 5.18.0 that use a KV cache but write their
 attention inline (XLM, ProphetNet, LED, MPT, ...). There the cache side (``kv-cache-dtype``) still
-aligns dtypes; only the named error for device/shape problems is missing.
+aligns dtypes; only the named error for device/shape problems is missing. On 4.55.0 - 5.0.0 the
+modeling files of 138 of the 355 folders under ``models/`` in 4.55.4 (164 of 383 in 4.57.6, 211 of
+412 in 5.0.0) index the registry, every decoder LLM above among them (and Bart, Whisper, GPT-2,
+OPT, ...), SAM's direct ``ALL_ATTENTION_FUNCTIONS["sdpa"]`` included; covered for every
+implementation but eager (see "Releases"). Not covered there: eager, and the models that write
+their attention inline (T5, Falcon, ...).
 
 Cost when nothing needs fixing (transformers' kernels, ``align``): per attention call, the
 registry lookup (done by the replacement itself for ``AttentionInterface``, with fewer calls than
 the original makes, see :func:`_replace_get_interface`), one mode read, one call of
 :func:`_compiling`, one dict lookup keyed by the kernel, and one wrapper frame (``*args,
 **kwargs`` passed through); no tensor is read, copied or checked. Figure 7 of ``scripts/bench``
-times it against stock, figure 8 counts its instructions.
+times it against stock, figure 8 counts its instructions. On 4.55.0 - 5.0.0 the replaced lookup
+reads the two dicts itself (the inherited lookup's own body, inlined) and adds the mode read, one
+call of :func:`_compiling` and the dict lookup keyed by the kernel; the wrapper frame around the
+kernel is the same.
 """
 
 from __future__ import annotations
@@ -74,7 +106,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Mapping
-from types import FunctionType
+from types import CodeType, FunctionType
 
 from overlay import guard as _guard
 from overlay.patch import Patch, Target, Variant, fingerprint, wraps
@@ -283,6 +315,78 @@ def _replace_get_interface(original, variant):
     return get_interface
 
 
+# -- releases without get_interface (4.55.0 - 5.0.0): the registry lookup itself -----------------
+
+#: The code objects of the guard's own wrappers (``_wrapper_for_kernel``'s and ``_checked_wrapper``'s
+#: ``guarded_attention``): how the lookup recognises one that was copied back into the registry.
+_GUARD_CODES = frozenset(
+    const
+    for builder in (_wrapper_for_kernel, _checked_wrapper)
+    for const in builder.__code__.co_consts
+    if isinstance(const, CodeType)
+)
+
+
+def _unguarded(function):
+    """The callable behind the guard's own wrappers, else ``function`` itself.
+
+    On releases where the registry lookup hands out the guarded kernel, code that copies an entry
+    into the registry stores the wrapper: executorch's ``ALL_ATTENTION_FUNCTIONS.register(
+    "sdpa_without_vmap", ALL_ATTENTION_FUNCTIONS["sdpa"])``, the hub-kernels integration's
+    ``functools.partial`` of ``ALL_ATTENTION_FUNCTIONS.get(...)``. Reading such an entry back
+    gives the kernel's one wrapper, not a wrapper of the wrapper (a ``partial`` of one is a
+    callable like any other: checked before the call).
+    """
+    code = getattr(function, "__code__", None)
+    while type(code) is CodeType and code in _GUARD_CODES:
+        function = function.__wrapped__
+        code = getattr(function, "__code__", None)
+    return function
+
+
+def _slow_lookup(function, attn_implementation):
+    """``align``: an entry whose wrapper is not stored yet (first seen, one of the guard's own
+    wrappers copied into the registry, not one of transformers' kernels, unhashable)."""
+    function = _unguarded(function)
+    try:
+        return _kernel_wrappers[function]
+    except (KeyError, TypeError):
+        return _slow_path(function, attn_implementation)
+
+
+def _replace_registry_lookup(original, variant):
+    """``AttentionInterface.__getitem__`` (inherited from ``GeneralInterface``) on the releases
+    without ``get_interface``: the entry, then the kernel behind the guard (see the module
+    docstring). The same wrappers, in the same cases, as :func:`_replace_get_interface`.
+
+    The entry is read as the matched code reads it (``GeneralInterface.__getitem__``: the
+    instance's own mapping, then the class-wide one), inlined: the fingerprint guarantees that is
+    the code, and it saves calling the original (a second Python frame per attention call). Every
+    outcome of stock's lookup is kept: a missing name raises stock's ``KeyError``, an unhashable
+    one its ``TypeError``. Installed on ``AttentionInterface`` only: the other registries
+    (``AttentionMaskInterface``, ...) keep ``GeneralInterface``'s lookup.
+    """
+    _register_compile_substitute()
+    ALIGN, OFF = _guard.ALIGN, _guard.OFF
+
+    @wraps(original)
+    def __getitem__(self, key):
+        local = self._local_mapping
+        function = local[key] if key in local else self._global_mapping[key]
+        if _guard._mode == ALIGN and not _compiling():
+            try:
+                return _kernel_wrappers[function]
+            except (KeyError, TypeError):  # see _slow_lookup
+                return _slow_lookup(function, key)
+        if _guard._mode == OFF or function is None:
+            return function  # what the registry holds, as stock returns it
+        if _compiling():  # the check before the call, decided at trace time
+            return functools.partial(_checked_call, function, key)
+        return _checked_wrapper(_unguarded(function), key)  # strict
+
+    return __getitem__
+
+
 PATCH = Patch(
     id="attention-guard",
     title="Attention entry guard: q, k, v on one device, one dtype, compatible shapes (named errors)",
@@ -297,12 +401,15 @@ PATCH = Patch(
         "neither the layer nor the tensor at fault; nothing in transformers checks q, k, v where they meet."
     ),
     upstream="none: no transformers release up to 5.24.0 validates attention inputs at dispatch",
-    affected=">=5.1.0",
+    affected=">=4.55.0",
     fixed_in=None,
     targets=(
+        # Where it exists (5.1.0 on), get_interface is the dispatch point; before, the registry
+        # lookup is: exactly one of the two targets is present in a release (see "Releases").
         Target(
             module=MODULE,
             qualname="AttentionInterface.get_interface",
+            optional=True,
             originals={
                 # 5.19.0 added the ``paged|`` prefix: a name ``paged|X`` (but ``paged|eager``) means ``X``.
                 "a9d96a2a90be43b1c335d52304ae8e3efb2ab6c8dfce0251df7c840d0215fc85": Variant(
@@ -313,6 +420,17 @@ PATCH = Patch(
                 ),
             },
             replace=_replace_get_interface,
+        ),
+        Target(
+            module=MODULE,
+            qualname="AttentionInterface.__getitem__",
+            inherited_from="transformers.utils.generic:GeneralInterface.__getitem__",
+            unless="AttentionInterface.get_interface",
+            optional=True,
+            originals={
+                "5e2a67a46b33a85220a6eafd94e158c664316fabaf37fd93e7f9839ac7a563ef": Variant("4.55.0-5.0.0"),
+            },
+            replace=_replace_registry_lookup,
         ),
     ),
     doctor=("cache-dtype-prefix",),

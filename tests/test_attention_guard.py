@@ -30,8 +30,45 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def guard_applied():
-    """Only the guard (not the cache patch): what the attention entry alone does."""
+    """Only the guard (not the cache patch): what the attention entry alone does. The target module
+    is imported first: a test run alone (``-k``) would otherwise find it not imported yet (pending)."""
+    import transformers.modeling_utils  # noqa: F401
+
     return GUARD.applied(expect="applied")
+
+
+def has_get_interface() -> bool:
+    """5.1.0 on: the models dispatch through ``AttentionInterface.get_interface``."""
+    from transformers.modeling_utils import AttentionInterface
+
+    return hasattr(AttentionInterface, "get_interface")
+
+
+#: Why a test of the model's own eager function cannot apply before 5.1.0.
+EAGER_NOT_DISPATCHED = (
+    "before 5.1.0 the models call their own eager_attention_forward directly (`attention_interface = "
+    "eager_attention_forward`; the registry is indexed only when _attn_implementation != 'eager'), so "
+    "no dispatch point sees it"
+)
+
+
+def lookup(interface, name, default):
+    """The registry's own lookup on this release, the function the guard replaces:
+    ``get_interface(name, default)`` from 5.1.0, ``interface[name]`` before."""
+    if has_get_interface():
+        return interface.get_interface(name, default)
+    return interface[name]
+
+
+def dispatch(name, default, interface=None):
+    """What an attention layer of this release calls for ``_attn_implementation = name``, exactly as
+    the model files do: ``ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)`` from
+    5.1.0; before, the model's own eager function for ``"eager"``, else ``ALL_ATTENTION_FUNCTIONS[name]``."""
+    if interface is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as interface
+    if not has_get_interface() and name == "eager":
+        return default
+    return lookup(interface, name, default)
 
 
 @pytest.fixture(autouse=True)
@@ -209,7 +246,7 @@ def test_message_names_the_layer_and_the_implementation():
     )
 
 
-# -- through the patch: every attention implementation dispatched by get_interface ----------------
+# -- through the patch: every attention implementation dispatched through the registry -------------
 
 
 def _dummy_eager(module, query, key, value, attention_mask, **kwargs):
@@ -218,20 +255,20 @@ def _dummy_eager(module, query, key, value, attention_mask, **kwargs):
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 def test_get_interface_wraps_registered_kernels_and_each_models_eager(implementation):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    if implementation == "eager" and not has_get_interface():
+        pytest.skip(EAGER_NOT_DISPATCHED)
     query, key, value = qkv()
-    unpatched = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _dummy_eager)
+    unpatched = dispatch(implementation, _dummy_eager)
     with guard_applied():
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _dummy_eager)
+        attention = dispatch(implementation, _dummy_eager)
         assert attention is not unpatched and attention.__wrapped__ is unpatched
         with pytest.raises(guard.AttentionInputError, match=re.escape(f"attn_implementation={implementation!r}")):
             attention(None, query, key[..., :4], value, None, scaling=1.0)
         with guard.using_mode("off"):
-            assert ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _dummy_eager) is unpatched
+            assert dispatch(implementation, _dummy_eager) is unpatched
     if implementation == "eager":  # the model's own eager function is what runs, behind the guard
         with guard_applied():
-            result = ALL_ATTENTION_FUNCTIONS.get_interface("eager", _dummy_eager)(None, query, key.float(), value, None)
+            result = dispatch("eager", _dummy_eager)(None, query, key.float(), value, None)
         assert result == ("eager ran", (torch.bfloat16,) * 3)
 
 
@@ -251,7 +288,8 @@ def _prefix_then_generate(attn, cast_prefix_to=None):
     model = _tiny_llama(attn, torch.bfloat16)
     twin = _tiny_llama(attn, torch.float32)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    cache = DynamicCache(config=model.config)
+    # 4.55's DynamicCache(config=...) builds layers that take a max_cache_len: a plain one there
+    cache = DynamicCache(config=model.config) if GUARD.transformers.release >= (4, 56) else DynamicCache()
     with torch.no_grad():
         twin(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
     if cast_prefix_to is not None:
@@ -264,6 +302,8 @@ def _prefix_then_generate(attn, cast_prefix_to=None):
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_guard_in_a_model_strict_names_layer_and_tensors_instead_of_the_kernel_error(attn):
+    if attn == "eager" and not has_get_interface():
+        pytest.skip(EAGER_NOT_DISPATCHED + "; test_eager_before_5_1_is_exactly_stock shows what happens there")
     with guard_applied(), guard.using_mode("strict"):
         with pytest.raises(guard.AttentionInputError) as caught:
             _prefix_then_generate(attn)
@@ -277,12 +317,33 @@ def test_guard_in_a_model_strict_names_layer_and_tensors_instead_of_the_kernel_e
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_guard_in_a_model_align_casts_at_the_entry(attn):
     # Without the cache patch, the guard alone still hands the kernel one dtype (for models that
-    # dispatch through get_interface); tokens equal a prefix cast by hand.
+    # dispatch through the registry); tokens equal a prefix cast by hand.
+    if attn == "eager" and not has_get_interface():
+        pytest.skip(EAGER_NOT_DISPATCHED + "; test_eager_before_5_1_is_exactly_stock shows what happens there")
     with overlay.reverted():
         reference = _prefix_then_generate(attn, cast_prefix_to=torch.bfloat16)
     with guard_applied():
         tokens = _prefix_then_generate(attn)
     assert torch.equal(tokens, reference)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("mode", ["align", "strict"])
+def test_eager_before_5_1_is_exactly_stock(mode):
+    # What the docstring says of eager before 5.1.0: not guarded. The model's own eager function
+    # meets the float32 prefix as on stock, with stock's very error (the guard alone, without
+    # kv-cache-dtype); from 5.1.0 the tests above show the guard's named error and cast instead.
+    if has_get_interface():
+        pytest.skip("from 5.1.0 eager is dispatched through get_interface, and guarded (tests above)")
+    with overlay.reverted():
+        with pytest.raises(Exception) as stock:
+            _prefix_then_generate("eager")
+    with guard_applied(), guard.using_mode(mode):
+        with pytest.raises(Exception) as patched:
+            _prefix_then_generate("eager")
+    # the kernel's own error: the float32 keys met the bfloat16 query in eager's matmul
+    assert type(stock.value) is RuntimeError and str(stock.value) == GUARD.error("expected scalar type")
+    assert type(patched.value) is type(stock.value) and str(patched.value) == str(stock.value)
 
 
 # -- the hot path and robustness (issues 12 and 15) ----------------------------------------------
@@ -303,18 +364,17 @@ def test_transformers_kernels_are_not_checked_when_nothing_needs_fixing(monkeypa
     # issue 12: in align, transformers' own kernels are called straight away; the tensors are only
     # looked at when the kernel raises. The very tensors reach the kernel, and the result is stock's.
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     query, key, value = _sdpa_inputs()
     with overlay.reverted():
-        expected = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
+        expected = dispatch("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
     checks = []
     for name in ("check_attention_inputs", "_all_agree", "_diagnose"):
         original = getattr(guard, name)
         monkeypatch.setattr(guard, name, lambda *a, _o=original, _n=name, **k: checks.append(_n) or _o(*a, **k))
     with guard_applied():
-        first = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)
-        assert ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager) is first  # built once
+        first = dispatch("sdpa", _dummy_eager)
+        assert dispatch("sdpa", _dummy_eager) is first  # built once
         assert first.__wrapped__ is sdpa_attention_forward
         out = first(_GQA(), query, key, value, None)[0]
     assert checks == []
@@ -330,11 +390,11 @@ def _user_paged_kernel(module, query, key, value, attention_mask, **kwargs):
 
 
 def _lookup_outcome(interface, name):
-    """What ``get_interface(name, _dummy_eager)`` gives: the function behind the guard's wrapper
+    """What the release's lookup (:func:`lookup`) gives: the function behind the guard's wrapper
     (a registered kernel can be a wrapper itself: only the guard's is taken off), or the
     exception's type and text."""
     try:
-        function = interface.get_interface(name, _dummy_eager)
+        function = lookup(interface, name, _dummy_eager)
     except Exception as error:  # noqa: BLE001 - the outcome is what is compared
         return type(error), str(error)
     if getattr(function, "__code__", None) is not None and function.__code__.co_name == "guarded_attention":
@@ -347,7 +407,9 @@ def test_get_interface_looks_up_exactly_what_stock_looks_up():
     # stock's get_interface (five Python calls); every name must give what stock gives: the
     # registered kernels, "eager" -> the model's default, an instance's own override, None (stock
     # warns and gives the default), an unknown name (stock's KeyError), the paged names (5.19.0
-    # strips "paged|" except for "paged|eager"), a name registered by the user.
+    # strips "paged|" except for "paged|eager"), a name registered by the user. Before 5.1.0 the
+    # same names through the replaced registry lookup (the replacement reads the two dicts itself
+    # there too), where "eager", None and the other unregistered names raise stock's KeyError.
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     local = AttentionInterface()
@@ -376,6 +438,9 @@ def test_get_interface_looks_up_exactly_what_stock_looks_up():
 def test_get_interface_reads_the_registry_directly_only_where_stock_would_read_it(monkeypatch):
     # The direct lookup is in use for AttentionInterface itself on every covered release (else the
     # test above would pass without it); a subclass with its own lookup always gets stock's.
+    if not has_get_interface():
+        pytest.skip("get_interface's direct read of the registry exists from 5.1.0; before, the replaced "
+                    "function is the registry read itself (test_other_readers_of_the_registry_get_what_stock_gives)")
     from transformers.modeling_utils import AttentionInterface
     from transformers.utils.generic import GeneralInterface
 
@@ -397,6 +462,116 @@ def test_get_interface_reads_the_registry_directly_only_where_stock_would_read_i
         assert calls == []  # the direct lookup
         assert _lookup_outcome(renaming, "fast") is AttentionInterface._global_mapping["sdpa"]
         assert calls == ["sdpa", "sdpa"]  # stock's: `in self`, then `get`, each through the subclass
+
+
+def _unguarded(function):
+    """The callable behind the guard's wrapper, else the callable itself."""
+    if getattr(function, "__code__", None) is not None and function.__code__.co_name == "guarded_attention":
+        return function.__wrapped__
+    return function
+
+
+class _OwnMappingInterface:  # a registry subclass with its own class-wide mapping (made a subclass below)
+    _global_mapping = {"sdpa": _user_kernel}
+
+
+def test_other_readers_of_the_registry_get_what_stock_gives():
+    # Before 5.1.0 the guard sits in the lookup that every reader of the registry goes through
+    # (Mapping's `in`, `.get`, `items()` call it): what they read must be what stock reads (behind
+    # the guard's wrapper: the very same callable), for the shared registry, an instance with its
+    # own entries and a subclass with its own class-wide mapping. From 5.1.0 they must be untouched.
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    local = AttentionInterface()
+    local["sdpa"] = _user_kernel
+    local["local-only"] = _user_paged_kernel
+    subclass = type("OwnMapping", (AttentionInterface,), dict(vars(_OwnMappingInterface)))()
+    names = ["sdpa", "eager", "flash_attention_2", "local-only", "no_such_kernel", None, ("a", "b")]
+
+    def readings(interface):
+        def outcome(read):
+            try:
+                return read()
+            except Exception as error:  # noqa: BLE001 - the outcome is what is compared
+                return type(error), str(error)
+
+        return {
+            "in": [outcome(lambda: name in interface) for name in names],
+            "get": [outcome(lambda: _unguarded(interface.get(name))) for name in names],
+            "get default": [outcome(lambda: _unguarded(interface.get(name, _dummy_eager))) for name in names],
+            "[]": [outcome(lambda: _unguarded(interface[name])) for name in names],
+            "valid_keys": interface.valid_keys(),
+            "keys": list(interface.keys()),
+            "len": len(interface),
+            "items": [(key, _unguarded(function)) for key, function in interface.items()],
+            "values": [_unguarded(function) for function in interface.values()],
+        }
+
+    for interface in (ALL_ATTENTION_FUNCTIONS, local, subclass):
+        with overlay.reverted():
+            expected = readings(interface)
+        with guard_applied():
+            got = readings(interface)
+            wrapped = interface["sdpa"]
+        assert got == expected
+        assert (wrapped is not _unguarded(wrapped)) is (not has_get_interface())  # guarded where it is the dispatch point
+    assert expected["[]"][1][0] is KeyError  # "eager" is not in the registry: the model calls its own
+
+
+def test_the_guard_changes_one_entry_of_the_attention_registry_class_and_revert_restores_it_exactly():
+    # Before 5.1.0 the lookup AttentionInterface uses is GeneralInterface.__getitem__, inherited: the
+    # guard is set on AttentionInterface itself (every other registry, e.g. the mask functions', keeps
+    # GeneralInterface's), and a revert deletes it again instead of leaving a copy of the inherited one.
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+    from transformers.utils.generic import GeneralInterface
+
+    classes = (AttentionInterface, GeneralInterface, AttentionMaskInterface)
+    missing = object()
+    with overlay.reverted():
+        before = {cls: dict(vars(cls)) for cls in classes}
+        with guard_applied():
+            during = {cls: dict(vars(cls)) for cls in classes}
+            assert AttentionMaskInterface.__getitem__ is GeneralInterface.__getitem__
+        after = {cls: dict(vars(cls)) for cls in classes}
+    changed = {
+        cls.__name__: sorted(k for k in {*before[cls], *during[cls]} if before[cls].get(k, missing) is not during[cls].get(k, missing))
+        for cls in classes
+    }
+    entry = "get_interface" if has_get_interface() else "__getitem__"
+    assert changed == {"AttentionInterface": [entry], "GeneralInterface": [], "AttentionMaskInterface": []}
+    assert ("__getitem__" in before[AttentionInterface]) is False  # inherited on stock, on every release
+    assert {cls: list(d.items()) for cls, d in after.items()} == {cls: list(d.items()) for cls, d in before.items()}
+
+
+def test_a_kernel_copied_within_the_registry_stays_one_guarded_kernel():
+    # executorch's export modules (4.55-5.x) copy an entry through the lookup:
+    # `ALL_ATTENTION_FUNCTIONS.register("sdpa_without_vmap", ALL_ATTENTION_FUNCTIONS["sdpa"])`.
+    # Before 5.1.0 that stores the guard's wrapper; read back it is the one wrapper of sdpa (not a
+    # wrapper of the wrapper), computes stock's result and names bad inputs once.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    query, key, value = _sdpa_inputs()
+    with overlay.reverted():
+        expected = sdpa_attention_forward(_GQA(), query, key, value, None)[0]
+    try:
+        with guard_applied():
+            AttentionInterface.register("copy-test", ALL_ATTENTION_FUNCTIONS["sdpa"])
+            copied = dispatch("copy-test", _dummy_eager)
+            assert copied is dispatch("sdpa", _dummy_eager) and copied.__wrapped__ is sdpa_attention_forward
+            assert torch.equal(copied(_GQA(), query, key, value, None)[0], expected)
+            for mode in ("align", "strict"):
+                with guard.using_mode(mode), pytest.raises(guard.AttentionInputError) as caught:
+                    dispatch("copy-test", _dummy_eager)(_GQA(), query, key[..., :4], value, None)
+                assert str(caught.value).count("attn-overlay attention guard") == 1
+        # What a revert cannot undo: the registry keeps what was registered (before 5.1.0 the
+        # guard's wrapper of sdpa; it computes stock's result) until the entry is registered again.
+        stored = ALL_ATTENTION_FUNCTIONS["copy-test"]
+        assert _unguarded(stored) is sdpa_attention_forward
+        assert torch.equal(stored(_GQA(), query, key, value, None)[0], expected)
+    finally:
+        AttentionInterface._global_mapping.pop("copy-test", None)
 
 
 def test_get_interface_lookup_of_unknown_code_is_left_to_stock():
@@ -422,11 +597,9 @@ def test_get_interface_lookup_of_unknown_code_is_left_to_stock():
 
 
 def test_kernel_failure_on_mismatched_devices_raises_the_named_error_chained_to_the_kernels():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     query, key, value = _sdpa_inputs()
     with guard_applied():
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)
+        attention = dispatch("sdpa", _dummy_eager)
         with pytest.raises(guard.AttentionInputError) as caught:
             attention(_GQA(), query, key, value.to("meta"), None)
     assert problem_lines(str(caught.value)) == ["  - device: value is not on the query's device cpu"]
@@ -436,30 +609,62 @@ def test_kernel_failure_on_mismatched_devices_raises_the_named_error_chained_to_
     assert not isinstance(caught.value.__cause__, guard.AttentionInputError)
 
 
-def test_kernel_errors_unrelated_to_qkv_are_re_raised_unchanged():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+@pytest.mark.parametrize("defect", ["device", "dtype", "shape"])
+def test_the_kernels_raw_error_on_stock_is_named_or_aligned_with_the_guard(defect):
+    # Through this release's dispatch point (get_interface from 5.1.0, the registry lookup before):
+    # stock fails deep in torch's SDPA with a message that names no layer; the guard names the
+    # tensors (device on the meta device, shape), chained to that very error, or (dtype, align)
+    # computes what stock computes on key/value cast by hand.
+    query, key, value = _sdpa_inputs(torch.bfloat16)
+    bad_key, bad_value = {
+        "device": (key, value.to("meta")),
+        "dtype": (key.float(), value.float()),
+        "shape": (key[..., :4], value),
+    }[defect]
+    with overlay.reverted():
+        with pytest.raises(RuntimeError) as stock:
+            dispatch("sdpa", _dummy_eager)(_GQA(), query, bad_key, bad_value, None)
+        reference = dispatch("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
+    raw = str(stock.value)
+    assert not isinstance(stock.value, guard.AttentionInputError) and "_GQA" not in raw
+    if defect == "dtype":
+        assert raw.startswith(GUARD.error("Expected query, key, and value"))
+    elif defect == "device":
+        assert raw.startswith("Expected query, key, and value to have the same device type")
+    with guard_applied():
+        attention = dispatch("sdpa", _dummy_eager)
+        if defect == "dtype":
+            assert torch.equal(attention(_GQA(), query, bad_key, bad_value, None)[0], reference)
+            return
+        with pytest.raises(guard.AttentionInputError) as caught:
+            attention(_GQA(), query, bad_key, bad_value, None)
+    message = str(caught.value)
+    assert "the inputs of _GQA (layer 0, attn_implementation='sdpa') do not go together" in message
+    assert problem_lines(message)[0].startswith(f"  - {defect}: ")
+    assert type(caught.value.__cause__) is type(stock.value) and str(caught.value.__cause__) == raw
 
+
+def test_kernel_errors_unrelated_to_qkv_are_re_raised_unchanged():
     query, key, value = _sdpa_inputs()
     bad_mask = torch.zeros(1, 1, 1, 5, dtype=torch.bool)  # 5 positions, the cache holds 6
     with overlay.reverted():
         with pytest.raises(RuntimeError) as stock:
-            ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, bad_mask)
+            dispatch("sdpa", _dummy_eager)(_GQA(), query, key, value, bad_mask)
     with guard_applied():
         with pytest.raises(RuntimeError) as caught:
-            ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, bad_mask)
+            dispatch("sdpa", _dummy_eager)(_GQA(), query, key, value, bad_mask)
     assert type(caught.value) is type(stock.value) and str(caught.value) == str(stock.value)
 
 
 def test_align_casts_after_a_kernel_rejects_dtypes_and_reports_it():
     from overlay import report
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     query, key, value = _sdpa_inputs(torch.bfloat16)
     with overlay.reverted():
-        reference = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
+        reference = dispatch("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
     report.reset()
     with guard_applied():
-        out = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key.float(), value.float(), None)[0]
+        out = dispatch("sdpa", _dummy_eager)(_GQA(), query, key.float(), value.float(), None)[0]
     assert torch.equal(out, reference)
     assert report.fired_actions()[GUARD_ID] == {"cast torch.float32 key/value to torch.bfloat16 at the attention entry": 1}
     report.reset()
@@ -472,7 +677,7 @@ def test_unhashable_registered_attention_callables_work(kind):
     import dataclasses
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    from transformers.modeling_utils import AttentionInterface
 
     if kind == "dataclass":
 
@@ -504,14 +709,14 @@ def test_unhashable_registered_attention_callables_work(kind):
     AttentionInterface.register("counting-test", counting)
     try:
         with overlay.reverted():
-            expected = ALL_ATTENTION_FUNCTIONS.get_interface("counting-test", None)(_GQA(), query, key, value, None)[0]
+            expected = dispatch("counting-test", None)(_GQA(), query, key, value, None)[0]
         with guard_applied():
             for mode in guard.MODES:
                 with guard.using_mode(mode):
-                    out = ALL_ATTENTION_FUNCTIONS.get_interface("counting-test", None)(_GQA(), query, key, value, None)[0]
+                    out = dispatch("counting-test", None)(_GQA(), query, key, value, None)[0]
                 assert torch.equal(out, expected)
             with pytest.raises(guard.AttentionInputError, match="counting-test"):  # still guarded
-                ALL_ATTENTION_FUNCTIONS.get_interface("counting-test", None)(_GQA(), query, key[..., :4], value, None)
+                dispatch("counting-test", None)(_GQA(), query, key[..., :4], value, None)
     finally:
         AttentionInterface._global_mapping.pop("counting-test", None)
     assert counting.calls == 4
@@ -524,7 +729,7 @@ def test_the_guard_keeps_no_registered_function_alive():
     import weakref
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    from transformers.modeling_utils import AttentionInterface
 
     def load_three_models():
         refs = []
@@ -538,7 +743,7 @@ def test_the_guard_keeps_no_registered_function_alive():
             AttentionInterface.register("per-load-test", attention)
             for mode in guard.MODES:
                 with guard.using_mode(mode):
-                    ALL_ATTENTION_FUNCTIONS.get_interface("per-load-test", None)(_GQA(), query, key, value, None)
+                    dispatch("per-load-test", None)(_GQA(), query, key, value, None)
             refs.append(weakref.ref(model))
             del model, attention
         AttentionInterface._global_mapping.pop("per-load-test")  # the last registration goes too
@@ -566,19 +771,17 @@ def test_meta_tensors_get_the_named_error_not_an_autocast_error():
 
 
 def test_meta_tensors_through_the_patch_behave_as_stock_or_name_the_tensors():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     query, key, value = (t.to("meta") for t in _sdpa_inputs(torch.bfloat16))
     with overlay.reverted():
-        stock = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
+        stock = dispatch("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
     with guard_applied():
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)
+        attention = dispatch("sdpa", _dummy_eager)
         out = attention(_GQA(), query, key, value, None)[0]
         assert out.shape == stock.shape and out.dtype == stock.dtype and out.device == stock.device
         out = attention(_GQA(), query, key.float(), value.float(), None)[0]  # align: cast, as on cpu
         assert out.shape == stock.shape and out.dtype == stock.dtype
         with guard.using_mode("strict"), pytest.raises(guard.AttentionInputError, match="dtype: key is torch.float32"):
-            ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key.float(), value, None)
+            dispatch("sdpa", _dummy_eager)(_GQA(), query, key.float(), value, None)
 
 
 def test_compiled_attention_call_checks_at_trace_time_without_graph_break_or_recompile():
@@ -586,12 +789,11 @@ def test_compiled_attention_call_checks_at_trace_time_without_graph_break_or_rec
     # the guard checks before the call there (decided at trace time), as before.
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     query, key, value = _sdpa_inputs(torch.bfloat16)
 
     def step(query, key, value):
-        return ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
+        return dispatch("sdpa", _dummy_eager)(_GQA(), query, key, value, None)[0]
 
     def compiled_run(key, value, runs=3):
         torch._dynamo.reset()
@@ -619,7 +821,6 @@ def test_a_kernel_that_still_fails_after_the_cast_fails_with_stocks_error():
     # the dtypes; after the guard's cast it rejects the layout instead. The user must see the
     # error stock gives, not the second one.
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     class Module:
         is_causal, training, layer_idx, num_key_value_groups = True, False, 0, 2
@@ -630,7 +831,7 @@ def test_a_kernel_that_still_fails_after_the_cast_fails_with_stocks_error():
     value = torch.randn(3, 1, 4, generator=generator).to(torch.bfloat16)
 
     def call():
-        kernel = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", sdpa_attention_forward)
+        kernel = dispatch("sdpa", sdpa_attention_forward)
         return kernel(Module(), query, key, value, None, dropout=0.0, scaling=0.5)
 
     with overlay.reverted():

@@ -1,10 +1,11 @@
 """Property-based test of the attention guard (patch ``attention-guard``) against stock kernels.
 
 Over dtype x device (cpu, meta) x layout (4-D ``[batch, heads, seq, head_dim]``, packed 3-D) x
-shape defects x autocast x mode, for three kernels reached through
-``ALL_ATTENTION_FUNCTIONS.get_interface`` (transformers' ``sdpa``, a model's own eager function
-passed as ``default``, and a matmul kernel a user registers), each example is run on stock
-transformers (``overlay.reverted()``) and with the guard, and checked:
+shape defects x autocast x mode, for three kernels reached through the release's dispatch point
+(``ALL_ATTENTION_FUNCTIONS.get_interface`` from 5.1.0, ``ALL_ATTENTION_FUNCTIONS[name]`` before):
+transformers' ``sdpa``, a model's own eager function (passed as ``default`` from 5.1.0; before,
+called directly, unguarded, as the models do) and a matmul kernel a user registers. Each example is
+run on stock transformers (``overlay.reverted()``) and with the guard, and checked:
 
 - where stock works, the overlay works and returns the identical result (``torch.equal`` on cpu;
   shape, dtype and device on meta). Exceptions, by design: ``strict`` may raise
@@ -116,15 +117,27 @@ def examples(draw):
     }
 
 
+def dispatch(name, default):
+    """What an attention layer of this release calls for ``_attn_implementation = name``, as the
+    model files do: ``ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)`` from
+    5.1.0; before, the model's own eager function for ``"eager"`` (not guarded there: stock's
+    behaviour is what the properties then hold the overlay to), else ``ALL_ATTENTION_FUNCTIONS[name]``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(name, default)
+    return default if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
+
+
 def call_kernel(example, tensors):
     from transformers.models.llama.modeling_llama import eager_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = {"sdpa": "sdpa", "eager": "eager", "user": USER_KERNEL}[example["kernel"]]
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if example["autocast"] else contextlib.nullcontext()
+    # the dispatch itself is outside the try: a release without the dispatch point fails the test
+    attention = dispatch(name, eager_attention_forward)
     try:
         with autocast, torch.no_grad():
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
             return "ok", attention(Module(example["groups"]), *tensors, None, scaling=0.5, dropout=0.0)[0]
     except Exception as error:  # noqa: BLE001 - what failed is the point of the comparison
         return "error", error
