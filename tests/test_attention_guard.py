@@ -842,3 +842,55 @@ def test_a_kernel_that_still_fails_after_the_cast_fails_with_stocks_error():
             call()
     assert type(patched.value) is type(stock.value)
     assert str(patched.value) == str(stock.value)
+
+
+@pytest.mark.parametrize("wrapper", ["generic", "shaped"])
+@pytest.mark.parametrize("defect", ["none", "device", "dtype", "shape", "mask"])
+def test_the_wrapper_built_for_the_models_call_shape_behaves_as_the_generic_one(wrapper, defect):
+    # A kernel's first call goes through the generic wrapper (``*args, **kwargs``), which then
+    # builds one for that call's shape (overlay.call_forwarding: cheaper per call) and puts it in
+    # its place. Both must give exactly what the guard gives: stock's result, the named error
+    # chained to the kernel's own, the cast in align, stock's error where q, k, v go together.
+    from overlay.patches import attention_guard
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    query, key, value = _sdpa_inputs(torch.bfloat16)
+    call_keywords = {"dropout": 0.0, "scaling": 0.5, "position_ids": None, "use_cache": True}
+    bad_key, bad_value, mask = {
+        "none": (key, value, None),
+        "device": (key, value.to("meta"), None),
+        "dtype": (key.float(), value.float(), None),
+        "shape": (key[..., :4], value, None),
+        "mask": (key, value, torch.zeros(1, 1, 1, 5, dtype=torch.bool)),  # 5 positions, 6 cached
+    }[defect]
+    with overlay.reverted():
+        reference = dispatch("sdpa", _dummy_eager)(_GQA(), query, key, value, None, **call_keywords)[0]
+        try:
+            dispatch("sdpa", _dummy_eager)(_GQA(), query, bad_key, bad_value, mask, **call_keywords)
+            stock_error = None
+        except RuntimeError as error:
+            stock_error = error
+    with guard_applied():
+        attention_guard._kernel_wrappers.pop(sdpa_attention_forward, None)  # a first call again
+        attention = dispatch("sdpa", _dummy_eager)
+        generic_code = attention.__code__
+        if wrapper == "shaped":
+            assert torch.equal(attention(_GQA(), query, key, value, None, **call_keywords)[0], reference)
+            attention = dispatch("sdpa", _dummy_eager)
+            assert attention.__code__ is not generic_code  # the shaped one took its place
+            assert attention.__wrapped__ is sdpa_attention_forward
+        try:
+            out, error = attention(_GQA(), query, bad_key, bad_value, mask, **call_keywords)[0], None
+        except RuntimeError as raised:
+            out, error = None, raised
+        if wrapper == "generic":
+            assert dispatch("sdpa", _dummy_eager).__code__ is not generic_code  # built by that call
+    if defect in ("none", "dtype"):
+        assert error is None and torch.equal(out, reference)
+    elif defect == "mask":  # q, k, v go together: the kernel's own error, unchanged
+        assert type(error) is type(stock_error) and str(error) == str(stock_error)
+        assert not isinstance(error, guard.AttentionInputError)
+    else:
+        assert isinstance(error, guard.AttentionInputError)
+        assert problem_lines(str(error))[0].startswith(f"  - {defect}: ")
+        assert type(error.__cause__) is type(stock_error) and str(error.__cause__) == str(stock_error)
