@@ -13,6 +13,10 @@ devices already agree, nothing to fix):
 - ``ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", eager_attention_forward)`` and the SDPA call
   (query 1 position, 33 key/value positions, no mask).
 
+Each release gets the calls its own modeling_llama makes (:func:`call_statements`): before 5.1.0
+the lookup is ``ALL_ATTENTION_FUNCTIONS[...]``, and up to 5.3.0 the update passes
+``cache_kwargs`` (``sin``, ``cos``, ``cache_position``), at which the static layers write.
+
 Overlay applied (``overlay.apply()``) and reverted (``overlay.reverted()``) alternate in one
 process at every sample, so that the two sides of a pair run milliseconds apart (slow drifts of
 the machine's speed hit both): a sample is ``warmup`` calls, then ``number`` back-to-back calls
@@ -158,17 +162,34 @@ def combine(processes: list[dict[str, Any]]) -> tuple[dict[str, Any], list[Case]
 
 
 def call_statements(room: int) -> tuple[dict[str, Any], dict[str, tuple[str, Any]]]:
-    """``(namespace, {call: (statement, reset or None)})``: the three calls as modeling_llama
-    writes them, on a one-layer Llama's decode-shaped float32 tensors; the static cache has room
-    for ``room`` more positions after its prefix (``reset`` puts the position back after it).
-    Shared with figure 8, which counts the instructions of the very same statements."""
+    """``(namespace, {call: (statement, reset or None)})``: the three calls as the installed
+    release's modeling_llama writes them, on a one-layer Llama's decode-shaped float32 tensors;
+    the static cache has room for ``room`` more positions after its prefix. Shared with figure 8,
+    which counts the instructions of the very same statements.
+
+    What differs between releases is read from the installed ``LlamaAttention.forward``:
+
+    - the cache update: ``update(k, v, layer)`` (5.4.0 - 5.23), ``update(k, v, layer,
+      kwargs=kwargs)`` (5.24.0 on) or, up to 5.3.0, ``update(k, v, layer, cache_kwargs)`` with
+      ``cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}`` built in the
+      call (the dict literal is taken from the source): the static layers write at
+      ``cache_position`` there, so every call writes at the same place and there is nothing to
+      reset; from 5.4.0 they write at their own count (``cumulative_length``), which ``reset``
+      puts back;
+    - the attention lookup: ``ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)``
+      (5.1.0 on) or, before, ``ALL_ATTENTION_FUNCTIONS[impl]`` when ``impl`` is not ``"eager"``
+      (the model's ``if`` written as a conditional expression, the same comparison and lookup).
+
+    The caches come from the test kit's builders (``static_cache``, ``dynamic_cache``), which take
+    each release's constructor (4.55.x's differ)."""
     import inspect
     import re
 
     import torch
-    from transformers import DynamicCache, StaticCache
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama import modeling_llama
+
+    from overlay.testing.models import dynamic_cache, static_cache
 
     from . import models
 
@@ -184,9 +205,28 @@ def call_statements(room: int) -> tuple[dict[str, Any], dict[str, tuple[str, Any
     query = rand(1, heads, 1, head_dim)
     keys, values = torch.cat([k_prefix, k_new], dim=-2), torch.cat([v_prefix, v_new], dim=-2)
     module = modeling_llama.LlamaAttention(config, layer_idx=0).eval()
+    # The decoding step's rotary embeddings and position (passed to the cache up to 5.3.0).
+    position_ids = torch.tensor([[CACHED]])
+    cos, sin = modeling_llama.LlamaRotaryEmbedding(config=config)(query, position_ids)
+    cache_position = torch.tensor([CACHED])
 
-    static = StaticCache(config=config, max_cache_len=CACHED + room + 8)
-    static.update(k_prefix, v_prefix, 0)
+    source = inspect.getsource(modeling_llama.LlamaAttention.forward)
+    update_call = re.search(r"\.update\(key_states, value_states, self\.layer_idx(, kwargs=kwargs|, cache_kwargs)?\)",
+                            source)
+    passed = update_call.group(1) if update_call else None
+    if passed == ", kwargs=kwargs":
+        update_args = "k, v, 0, kwargs=kw"
+    elif passed == ", cache_kwargs":
+        literal = re.search(r"cache_kwargs = (\{[^{}]*\})", source)
+        cache_kwargs = literal.group(1) if literal else '{"cache_position": cache_position}'
+        update_args = f"k, v, 0, {cache_kwargs}"
+    else:
+        update_args = "k, v, 0"
+    # The prefill's write of the prefix (positions 0 .. CACHED-1 where the cache is told them).
+    prefix_kwargs = {"cache_position": torch.arange(CACHED)} if passed == ", cache_kwargs" else None
+
+    static = static_cache(config, 1, CACHED + room + 8, k_prefix.dtype, k_prefix.device)
+    static.update(k_prefix, v_prefix, 0, *([prefix_kwargs] if prefix_kwargs else []))
     static_layer = static.layers[0]
 
     def reset_static():
@@ -196,33 +236,34 @@ def call_statements(room: int) -> tuple[dict[str, Any], dict[str, tuple[str, Any
         else:
             static_layer.cumulative_length = CACHED
 
-    dynamic = DynamicCache(config=config)
-    dynamic.update(k_prefix, v_prefix, 0)
+    dynamic = dynamic_cache(config)
+    dynamic.update(k_prefix, v_prefix, 0, *([prefix_kwargs] if prefix_kwargs else []))
 
     # What the attention layer passes on in a decoding step: the decoder layer's position_ids and
     # use_cache arrive in its **kwargs, which go to the kernel, and (from 5.24) to the cache update.
-    kw = {"position_ids": torch.tensor([[CACHED]]), "use_cache": True}
-    source = inspect.getsource(modeling_llama)
-    update_call = re.search(r"\.update\(key_states, value_states, self\.layer_idx(, kwargs=kwargs)?\)", source)
-    update_args = "k, v, 0, kwargs=kw" if update_call and update_call.group(1) else "k, v, 0"
+    kw = {"position_ids": position_ids, "use_cache": True}
+
+    if "ALL_ATTENTION_FUNCTIONS.get_interface(" in source or (
+            "ALL_ATTENTION_FUNCTIONS[" not in source and hasattr(type(ALL_ATTENTION_FUNCTIONS), "get_interface")):
+        lookup = "ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)"
+    else:  # before 5.1.0: `if self.config._attn_implementation != "eager": ... = ALL_ATTENTION_FUNCTIONS[...]`
+        lookup = ('(ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation] '
+                  'if self.config._attn_implementation != "eager" else eager_attention_forward)')
 
     namespace = {
         "kw": kw,
         "static": static, "dynamic": dynamic, "layer": dynamic.layers[0], "k_prefix": k_prefix, "v_prefix": v_prefix,
         "k": k_new, "v": v_new, "ALL_ATTENTION_FUNCTIONS": ALL_ATTENTION_FUNCTIONS, "self": module,
         "eager_attention_forward": modeling_llama.eager_attention_forward, "q": query, "keys": keys,
-        "values": values, "scaling": module.scaling,
+        "values": values, "scaling": module.scaling, "sin": sin, "cos": cos, "cache_position": cache_position,
     }
     # The statements as modeling_llama writes them (the method looked up at every call, so that
     # applying and reverting the overlay takes effect).
     statements = {
-        "static": (f"static.update({update_args})", reset_static),
+        "static": (f"static.update({update_args})",
+                   reset_static if hasattr(static_layer, "cumulative_length") else None),
         "dynamic": (f"layer.keys = k_prefix; layer.values = v_prefix; dynamic.update({update_args})", None),
-        "attention": (
-            "ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)"
-            "(self, q, keys, values, None, dropout=0.0, scaling=scaling, **kw)",
-            None,
-        ),
+        "attention": (f"{lookup}(self, q, keys, values, None, dropout=0.0, scaling=scaling, **kw)", None),
     }
     return namespace, statements
 
@@ -279,13 +320,17 @@ def percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
 
     # Premise: the statements reach the overlay's wrappers when applied, stock code when reverted.
     def where() -> dict[str, str]:
-        interface = type(ALL_ATTENTION_FUNCTIONS).get_interface
+        # The registry lookup the statement makes: get_interface (5.1.0 on), or __getitem__.
+        lookup = "get_interface" if "get_interface(" in statements["attention"][0] else "__getitem__"
+        interface = getattr(type(ALL_ATTENTION_FUNCTIONS), lookup)
+        kernel = (ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None) if lookup == "get_interface"
+                  else ALL_ATTENTION_FUNCTIONS["sdpa"])
         return {
             "Cache.update": transformers.cache_utils.Cache.update.__code__.co_filename,
             "StaticLayer.update": type(static_layer).update.__code__.co_filename,
             "DynamicLayer.update": type(dynamic_layer).update.__code__.co_filename,
-            "AttentionInterface.get_interface": interface.__code__.co_filename,
-            "kernel returned": ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None).__code__.co_filename,
+            f"AttentionInterface.{lookup}": interface.__code__.co_filename,
+            "kernel returned": kernel.__code__.co_filename,
         }
 
     code_on = where()
