@@ -90,11 +90,14 @@ Either half alone is not enough for static caches: casting on write only returns
 to a bfloat16 query; casting on read only never gets past ``index_copy_``.
 
 What it costs (4.55.x: see "Releases"): one replacement, ``Cache.update``, which is stock's own body (4.56.0-5.24.0 share
-it when offloading is off; 4.56.0-5.3.0 pass ``cache_kwargs`` on as the layer's third argument,
-positional or by name, as the caller gave it) with two dtype comparisons in front: no wrapper frame, no layer wrapper, and the layer's
-``update`` called with the two argument shapes transformers uses spelled out (a plain call,
-cheaper than stock's ``*args, **kwargs`` re-packing: per layer and decode step the cache update
-costs 100-280 instructions *less* than stock's under callgrind on 5.13.0-5.24.0). When dtypes agree, nothing else
+it when offloading is off) with two dtype comparisons in front: no wrapper frame, no layer wrapper,
+and the layer's ``update`` called as a plain call. From 5.4.0 (``Cache.update(..., *args,
+**kwargs)``) the two argument shapes transformers uses are spelled out, cheaper than stock's
+``*args, **kwargs`` re-packing: per layer and decode step the cache update costs 100-280
+instructions *less* than stock's under callgrind on 5.13.0-5.24.0. On 4.56.0-5.3.0
+(``named_cache_kwargs``) the replacement has stock's signature and stock's layer call,
+``layer.update(key_states, value_states, cache_kwargs)``; nothing is re-packed there to save, so
+the dtype comparisons cost about 1,400 instructions per update more than stock's (figure 8). When dtypes agree, nothing else
 runs: no copy, no kernel (tests count aten ops with a TorchDispatchMode), and under
 ``torch.compile`` every branch is decided at trace time (dtypes are guarded), so no graph break
 and no recompilation. Offloaded caches take the slow path every step (a few hundred ns, next to
@@ -145,6 +148,9 @@ variant's parameters, read when the replacement is built (``_replace_cache_updat
   ``StaticSlidingWindowLayer``'s;
 
 - ``cache_processors``: whether ``Cache.update`` runs ``CacheProcessor`` hooks (4.55.x; see below);
+- ``named_cache_kwargs``: whether ``Cache.update`` is ``(key_states, value_states, layer_idx,
+  cache_kwargs=None)`` and hands ``cache_kwargs`` to the layer positionally (4.55.0-5.3.0), not
+  ``*args, **kwargs`` (5.4.0 on): the replacement then has that signature and that call;
 - ``casts_on_write``: the layer classes whose own ``update`` casts the states to their buffers'
   dtype before writing (4.55's ``StaticLayer`` and ``SlidingWindowLayer``; none from 4.56.0).
 
@@ -190,6 +196,8 @@ def _replace_cache_update(original, variant):
     static = _static_layers(original.__globals__, variant)
     if variant["cache_processors"]:
         return _replace_processed_cache_update(original, static)
+    if variant["named_cache_kwargs"]:
+        return _replace_named_cache_kwargs_update(original, static)
 
     @wraps(original)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -224,6 +232,35 @@ def _replace_cache_update(original, variant):
                     return layer.update(key_states, value_states, kwargs=kwargs["kwargs"])
             return layer.update(key_states, value_states, *args, **kwargs)
         return _slow_update(original, static, self, key_states, value_states, layer_idx, args, kwargs)
+
+    return update
+
+
+def _replace_named_cache_kwargs_update(original, static):
+    """4.56.0-5.3.0: stock's signature, ``(key_states, value_states, layer_idx, cache_kwargs=None)``,
+    and its layer call, ``layer.update(key_states, value_states, cache_kwargs)``, spelled out.
+
+    The same fast path as :func:`_replace_cache_update`'s (stock's body, which 4.56.0-5.24.0
+    share), but these releases' models always pass ``cache_kwargs`` (positionally), which the
+    generic ``*args, **kwargs`` signature would re-pack on every call: about 2,500 instructions per
+    call more than stock under callgrind on 5.0.0, against about 1,400 (the four ``.dtype`` reads)
+    with the signature and the call written out.
+    """
+
+    @wraps(original)
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        try:  # the checks only, as in _replace_cache_update
+            layer = self.layers[layer_idx]
+            fast = (
+                not self.offloading
+                and layer.keys.dtype is key_states.dtype
+                and layer.values.dtype is value_states.dtype
+            )
+        except (AttributeError, TypeError, IndexError):
+            fast = False
+        if fast:
+            return layer.update(key_states, value_states, cache_kwargs)
+        return _slow_update(original, static, self, key_states, value_states, layer_idx, (cache_kwargs,), {})
 
     return update
 
@@ -550,6 +587,8 @@ _SLIDING_4_55 = {"ChunkedSlidingLayer": _chunked_window_writes}
 _CASTS_4_55 = ("StaticLayer", "SlidingWindowLayer")
 # 4.56 on: Cache.update calls the layer itself (no CacheProcessor hooks) and no layer casts on write.
 _FROM_4_56 = {"cache_processors": False, "casts_on_write": ()}
+_NAMED_CACHE_KWARGS = {"named_cache_kwargs": True}  # 4.56.0-5.3.0: Cache.update(..., cache_kwargs=None)
+_ANY_ARGUMENTS = {"named_cache_kwargs": False}  # 5.4.0 on: Cache.update(..., *args, **kwargs)
 _SLIDING_4_56_TO_4_57 = {
     "SlidingWindowLayer": _rolling_window_writes,  # 4.56 (4.57: a deprecated alias, no update of its own)
     "ChunkedSlidingLayer": _chunked_window_writes,  # 4.56 (4.57: the same)
@@ -588,6 +627,7 @@ PATCH = Patch(
                     "4.55.0-4.55.4",
                     {
                         "cache_processors": True,
+                        "named_cache_kwargs": True,
                         "casts_on_write": _CASTS_4_55,
                         "initialise": _allocated_by_constructor,
                         "sliding_layers": _SLIDING_4_55,
@@ -596,19 +636,23 @@ PATCH = Patch(
                 # One Cache.update body: append replicated layers / offload / layer.update / offload.
                 "7e7c5aa6653e0d724f39d64f6810ed4f046039cc3bda5dfa3747e6d4fa64d891": Variant(
                     "4.56.0-4.57.6",
-                    {**_FROM_4_56, "initialise": _initialise_from_keys, "sliding_layers": _SLIDING_4_56_TO_4_57},
+                    {**_FROM_4_56, **_NAMED_CACHE_KWARGS, "initialise": _initialise_from_keys,
+                     "sliding_layers": _SLIDING_4_56_TO_4_57},
                 ),
                 "1206ec15a39fd09fa1a2223cf9cb8bbf8476025c024f015a0e16664e8eabcb17": Variant(
                     "5.0.0-5.3.0",
-                    {**_FROM_4_56, "initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_5_0_TO_5_3},
+                    {**_FROM_4_56, **_NAMED_CACHE_KWARGS, "initialise": _initialise_keys_and_values,
+                     "sliding_layers": _SLIDING_5_0_TO_5_3},
                 ),
                 "679ec869a03c94506ac836f8ebb49419af008974a65f450096ec608ebdfa34c7": Variant(
                     "5.4.0-5.19.0",
-                    {**_FROM_4_56, "initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_FROM_5_4},
+                    {**_FROM_4_56, **_ANY_ARGUMENTS, "initialise": _initialise_keys_and_values,
+                     "sliding_layers": _SLIDING_FROM_5_4},
                 ),
                 "7f41008b39efeecc1e320035d7b10642f1562c7466514cd05136cf6fc451d6e6": Variant(
                     "5.20.0-5.24.0",
-                    {**_FROM_4_56, "initialise": _initialise_keys_and_values, "sliding_layers": _SLIDING_FROM_5_4},
+                    {**_FROM_4_56, **_ANY_ARGUMENTS, "initialise": _initialise_keys_and_values,
+                     "sliding_layers": _SLIDING_FROM_5_4},
                 ),
             },
             replace=_replace_cache_update,
