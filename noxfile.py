@@ -51,7 +51,8 @@ TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_
 
 # The probes and installs below use ``session.run_install``: they are part of building an
 # environment, so they must also run under ``nox --install-only`` (where ``session.run`` runs
-# nothing and returns None).
+# nothing and returns None). Under ``-R`` / ``--no-install`` on an environment that exists, nox
+# skips them (they return None): the environment is then used as it is (see ``_install``).
 
 
 def _purelib(session: nox.Session) -> Path:
@@ -79,6 +80,9 @@ def _shared_torch(session: nox.Session) -> Path:
 
 
 def _install(session: nox.Session, release: str, *, share_torch: bool, torch: str = matrix_data.TORCH) -> None:
+    if session.run_install("python", "-c", "print('installing')", silent=True) is None:
+        session.log("reusing the environment as it is (-R / --no-install): nothing installed or checked")
+        return
     shared = _shared_torch(session) if share_torch else None
     # torch is named with its exact version in every install: pip then keeps the shared (or
     # already installed) 2.13.0 and can never reach for another build (multi-GB CUDA wheels).
