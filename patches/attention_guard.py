@@ -46,6 +46,10 @@ the kernel behind a wrapper; what the wrapper does depends on the kernel and the
   returns False when run and that dynamo replaces with one returning True): every kernel gets the
   check before the call, decided at trace time (no graph break, no op when q, k, v agree, no
   recompilation); exceptions raised by a kernel on fake tensors cannot be caught in the graph.
+  In ``strict`` the named error is raised while tracing; with ``fullgraph=True`` dynamo reports it
+  as its own "Observed exception" error, which quotes the guard's message on torch 2.13 and names
+  only ``AttentionInputError`` on torch 2.8 (without ``fullgraph`` the frame runs eagerly and
+  raises the named error itself).
 
 Under autocast dtypes are left to autocast (see ``overlay/guard.py``).
 
