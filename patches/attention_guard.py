@@ -212,12 +212,12 @@ def _wrapper_for_kernel(function, attn_implementation):
             # for another reason): fail with the error stock gives, not a new one.
             raise error from None
 
-    shaped = []  # the shaped wrapper, once built (at most one per kernel)
-
     @wraps(function)
     def guarded_attention(*args, **kwargs):
-        if not shaped and _kernel_wrappers.get(function) is guarded_attention:
-            _shape_wrapper(function, guarded_attention, on_error, args, kwargs, shaped)
+        # Still the stored wrapper: no call has had a shape a wrapper can be built for yet. (As
+        # the shaped wrapper's fallback, for calls of another shape, it is not the stored one.)
+        if _kernel_wrappers.get(function) is guarded_attention:
+            _shape_wrapper(function, guarded_attention, on_error, args, kwargs)
         try:
             return function(*args, **kwargs)
         except KERNEL_ERRORS as error:
@@ -229,10 +229,9 @@ def _wrapper_for_kernel(function, attn_implementation):
     return guarded_attention
 
 
-def _shape_wrapper(function, generic, on_error, args, kwargs, shaped):
+def _shape_wrapper(function, generic, on_error, args, kwargs):
     """Build the wrapper for the shape of this call and store it in the generic one's place."""
     shape = call_shape(args, kwargs)
-    shaped.append(None)  # tried once, whatever comes of it
     if shape is None:  # a keyword no parameter can be named after: the generic wrapper stays
         return
     forwarder = wraps(function)(
@@ -240,7 +239,6 @@ def _shape_wrapper(function, generic, on_error, args, kwargs, shaped):
                          name="guarded_attention")
     )
     _GUARD_CODES.add(forwarder.__code__)
-    shaped[0] = forwarder
     _kernel_wrappers[function] = forwarder
 
 
