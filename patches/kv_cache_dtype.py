@@ -97,7 +97,20 @@ and the layer's ``update`` called as a plain call. From 5.4.0 (``Cache.update(..
 instructions *less* than stock's under callgrind on 5.13.0-5.24.0. On 4.56.0-5.3.0
 (``named_cache_kwargs``) the replacement has stock's signature and stock's layer call,
 ``layer.update(key_states, value_states, cache_kwargs)``; nothing is re-packed there to save, so
-the dtype comparisons cost about 1,400 instructions per update more than stock's (figure 8). When dtypes agree, nothing else
+the four ``.dtype`` reads (about 420 instructions each under callgrind) cost about 1,400
+instructions per update more than stock's (figure 8) with a dynamic cache. A ``StaticLayer``
+(every full-attention layer of a static cache) is not read there: its own ``update``, known by
+its fingerprint (``REFUSING_STATIC_UPDATES``), writes with ``index_copy_``, which refuses states
+in another dtype before writing anything, so the fast path calls it directly and a refusal (a
+``RuntimeError`` while buffers and states differ in dtype) sends the update to the slow path,
+which casts. Every layer's first update takes the slow path, which notes whether the layer's
+buffers are in the states' dtypes: only then is its own write relied on; a layer that differs (a
+float32 cache for a bfloat16 model) goes to the slow path on every step without a refusal, and a
+refusal (the model's dtype changed since) notes that too. The price is one call of
+``torch.compiler.is_dynamo_compiling()`` and one attribute read (under dynamo a refusal cannot be
+caught in the graph, so the dtypes are compared there, at trace time). A refused update whose
+keys matched and values did not has its keys written once more by the slow path (the same states
+at the same positions); in ``strict`` the error then comes after that keys write. When dtypes agree, nothing else
 runs: no copy, no kernel (tests count aten ops with a TorchDispatchMode), and under
 ``torch.compile`` every branch is decided at trace time (dtypes are guarded), so no graph break
 and no recompilation. Offloaded caches take the slow path every step (a few hundred ns, next to
@@ -182,8 +195,10 @@ Encoder-decoder models read the cross-attention cache directly there too (T5 and
 
 from __future__ import annotations
 
+import sys
+
 from overlay import guard
-from overlay.patch import Patch, Target, Variant, wraps
+from overlay.patch import Patch, Target, Variant, fingerprint, wraps
 
 MODULE = "transformers.cache_utils"
 PATCH_ID = "kv-cache-dtype"
@@ -242,27 +257,101 @@ def _replace_named_cache_kwargs_update(original, static):
 
     The same fast path as :func:`_replace_cache_update`'s (stock's body, which 4.56.0-5.24.0
     share), but these releases' models always pass ``cache_kwargs`` (positionally), which the
-    generic ``*args, **kwargs`` signature would re-pack on every call: about 2,500 instructions per
-    call more than stock under callgrind on 5.0.0, against about 1,400 (the four ``.dtype`` reads)
-    with the signature and the call written out.
+    generic ``*args, **kwargs`` signature would re-pack on every call. Nothing is re-packed here to
+    save, so the four ``.dtype`` reads (about 420 instructions each under callgrind, torch 2.13)
+    are the whole cost; for a ``StaticLayer`` (the layer of every full-attention model's static
+    cache) they are not made at all: its own ``update`` refuses states in another dtype
+    (:data:`REFUSING_STATIC_UPDATES`), so once the slow path has seen the layer's buffers in the
+    states' dtypes (:data:`OWN_WRITE_CHECK`) the layer is called directly, and a refusal sends the
+    update to the slow path, which casts.
     """
+    refusing_layer = _layer_refusing_other_dtypes(original.__globals__)
+    dynamo_compiling = getattr(getattr(sys.modules.get("torch"), "compiler", None), "is_dynamo_compiling", None)
+    if dynamo_compiling is None:  # a torch without it: every layer takes the dtype reads
+        refusing_layer, dynamo_compiling = None, bool
 
     @wraps(original)
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        own_check = fast = False
         try:  # the checks only, as in _replace_cache_update
             layer = self.layers[layer_idx]
-            fast = (
-                not self.offloading
-                and layer.keys.dtype is key_states.dtype
-                and layer.values.dtype is value_states.dtype
-            )
+            if not self.offloading:
+                # Under dynamo a refused write on fake tensors cannot be caught in the graph: there
+                # the dtypes are compared (decided at trace time), as for every other layer.
+                if type(layer) is refusing_layer and not dynamo_compiling():
+                    # Set by the slow path, which every layer takes first (AttributeError until then).
+                    own_check = layer._attn_overlay_own_write_checks_dtype
+                else:
+                    fast = layer.keys.dtype is key_states.dtype and layer.values.dtype is value_states.dtype
         except (AttributeError, TypeError, IndexError):
-            fast = False
-        if fast:
+            pass
+        if own_check:
+            try:
+                return layer.update(key_states, value_states, cache_kwargs)
+            except RuntimeError:
+                if not _dtypes_differ(layer, key_states, value_states):
+                    raise  # the layer's own error, unchanged, raised once (as on stock)
+        elif fast:
             return layer.update(key_states, value_states, cache_kwargs)
-        return _slow_update(original, static, self, key_states, value_states, layer_idx, (cache_kwargs,), {})
+        result = _slow_update(original, static, self, key_states, value_states, layer_idx, (cache_kwargs,), {})
+        if refusing_layer is not None and not dynamo_compiling():
+            _mark_own_write_check(self, layer_idx, refusing_layer, key_states, value_states)
+        return result
 
     return update
+
+
+#: ``StaticLayer.update`` as 4.56.0-5.3.0 ship it (fingerprints, as for patch targets): lazy
+#: initialisation (in the states' dtypes, so a fresh layer never mismatches), then the new states
+#: written with ``index_copy_`` (``index_put_`` where that is not implemented), keys first. Both
+#: refuse states in another dtype than the buffer (``RuntimeError``) before writing anything, and
+#: nothing else changes before the writes, so a refused update can run again: at worst the keys
+#: were written (they matched) and are written once more, the same states at the same positions.
+#: Not listed, so compared dtype by dtype: 4.55.x (the layer casts on write, stock stores the
+#: mismatch) and 5.4.0 on (``cumulative_length`` advances before the writes; a refused update
+#: could not run again).
+REFUSING_STATIC_UPDATES = {
+    "8abf13e57d9119b41d1dc18782d710343bc0a988c6eda877228919b7f6ea042d": "4.56.0-4.56.2",
+    "f5314eb96f772655621b66d8cd51ddbf30fcd5c1122cb1b0e15e785b4c4eeb96": "4.57.0-5.0.0rc1",
+    "fda39c0bf3324208347f4a9968a341ac1e7b55b2513c1f02932f78bdf08b5fab": "5.0.0rc2",
+    "e728f21c1f151f9441f2c516d5708f45c74614f83cb359ce1a2cc4f03f9bdc2c": "5.0.0rc3-5.3.0",
+}
+
+#: Set in a refusing static layer's ``__dict__`` by the slow path (read by the fast path as the
+#: attribute ``layer._attn_overlay_own_write_checks_dtype``): True when its buffers were in the
+#: states' dtypes (the layer's own write is the check from then on), False when not (every update
+#: goes to the slow path, without a refusal, i.e. an exception, per decode step).
+OWN_WRITE_CHECK = "_attn_overlay_own_write_checks_dtype"
+
+
+def _layer_refusing_other_dtypes(namespace):
+    """The release's ``StaticLayer`` when its ``update`` is one of :data:`REFUSING_STATIC_UPDATES`,
+    else None (unknown code: its layers are compared dtype by dtype, as every other layer)."""
+    layer_class = namespace.get("StaticLayer")
+    own_update = vars(layer_class).get("update") if isinstance(layer_class, type) else None
+    try:
+        known = own_update is not None and fingerprint(own_update) in REFUSING_STATIC_UPDATES
+    except (OSError, TypeError, AttributeError):  # no source to read: not recognised
+        known = False
+    return layer_class if known else None
+
+
+def _dtypes_differ(layer, key_states, value_states):
+    """Whether a layer's buffers and the incoming states differ in dtype (False for non-tensors)."""
+    try:
+        return layer.keys.dtype is not key_states.dtype or layer.values.dtype is not value_states.dtype
+    except AttributeError:
+        return False
+
+
+def _mark_own_write_check(cache, layer_idx, refusing_layer, key_states, value_states):
+    """After the slow path: whether layer ``layer_idx``'s own write may stand for the dtype check."""
+    try:
+        layer = cache.layers[layer_idx]
+    except (AttributeError, TypeError, IndexError):
+        return
+    if type(layer) is refusing_layer and getattr(layer, "keys", None) is not None:
+        layer.__dict__[OWN_WRITE_CHECK] = not _dtypes_differ(layer, key_states, value_states)
 
 
 def _replace_processed_cache_update(original, static):

@@ -50,6 +50,14 @@ from transformers import (  # noqa: E402  (after the version gate)
 # ``casts_on_write``): stock stores a mismatch and attention then fails on what the cache hands back.
 _VARIANT = PATCH.patch.targets[0].variant_of(PATCH.stock())
 STATIC_LAYERS_CAST_ON_WRITE = _VARIANT is not None and bool(_VARIANT["casts_on_write"])
+# 4.56.0-5.3.0: StaticLayer.update refuses states in another dtype itself (REFUSING_STATIC_UPDATES):
+# the fast path calls it without reading dtypes. None elsewhere (4.55.x casts on write; 5.4.0 on
+# advance cumulative_length before writing).
+REFUSING_STATIC_LAYER = (
+    PATCH.patch_module._layer_refusing_other_dtypes(vars(cache_utils))
+    if _VARIANT is not None and _VARIANT["named_cache_kwargs"] and not _VARIANT["cache_processors"]
+    else None
+)
 
 # The patch's own error texts; index_copy_'s and SDPA's without their dtypes (both directions occur here).
 INDEX_COPY_ERROR = PATCH.error("index_copy_").split(", but got")[0]
@@ -452,7 +460,12 @@ def test_hot_path_runs_no_extra_python_frame(cache_kind):
     # then the decorated update); the replacement is one function: exactly that frame fewer. None elsewhere.
     wrapper = stock_calls["apply_processors.<locals>._wrapped_update"]
     assert wrapper == (1 if _VARIANT["cache_processors"] else 0), stock_calls
-    assert sum(calls.values()) == sum(stock_calls.values()) - wrapper, (calls, stock_calls)
+    # 4.56.0-5.3.0, a StaticLayer: no dtype is read, the layer's own write refuses another one; the
+    # price is one leaf call, torch.compiler.is_dynamo_compiling() (a refusal cannot be caught in a
+    # graph), ~150 instructions against the four .dtype reads' ~1,700. No other frame, no wrapper.
+    leaf = 1 if cache_kind == "static" and REFUSING_STATIC_LAYER is not None else 0
+    assert calls["is_dynamo_compiling"] == leaf, calls
+    assert sum(calls.values()) == sum(stock_calls.values()) - wrapper + leaf, (calls, stock_calls)
     assert torch.equal(keys, stock_keys)
 
 
@@ -484,6 +497,185 @@ def test_an_error_in_the_layers_update_is_raised_once_as_on_stock():
         assert run() == 2
     with patch_on():
         assert run() == 2
+
+
+# -- 4.56.0-5.3.0: a StaticLayer's own write is the dtype check ----------------------------------------
+
+needs_refusing_layer = pytest.mark.skipif(
+    REFUSING_STATIC_LAYER is None, reason="StaticLayer.update is compared dtype by dtype on this release"
+)
+
+
+def _index_copies(call):
+    """(what ``call()`` returns, how many ``index_copy_`` it dispatched, refused ones included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountIndexCopies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.index_copy_:
+                CountIndexCopies.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with CountIndexCopies():
+        result = call()
+    return result, CountIndexCopies.count
+
+
+def _static_update(cache, states, position):
+    return cache.update(states, states, 0, {"cache_position": torch.tensor([position])})
+
+
+def _own_write_check(layer):
+    return layer.__dict__.get(PATCH.patch_module.OWN_WRITE_CHECK)
+
+
+@needs_refusing_layer
+def test_a_mismatched_static_layer_goes_to_the_slow_path_without_a_refusal_per_step():
+    config = tiny_lm("llama", "sdpa", torch.bfloat16).config
+    states = [torch.randn(1, 2, 1, 8, dtype=torch.bfloat16) for _ in range(3)]
+    with patch_on(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", guard.KVCacheDtypeWarning)
+        cache = models.static_cache(config, 1, 8, torch.float32, "cpu")  # early-initialised in float32
+        layer = cache.layers[0]
+        assert type(layer) is REFUSING_STATIC_LAYER and _own_write_check(layer) is None
+        counts = []
+        for position, step in enumerate(states):
+            (keys, values), copies = _index_copies(lambda: _static_update(cache, step, position))
+            counts.append(copies)
+        # The first update takes the slow path (it does for every layer) and notes the float32
+        # buffers; every later one goes there directly: two writes, cast to float32, no refusal.
+        assert counts == [2, 2, 2]
+        assert _own_write_check(layer) is False
+    assert keys.dtype is values.dtype is torch.bfloat16  # handed back in the compute dtype
+    assert torch.equal(keys[:, :, :3], torch.cat(states, dim=-2))  # bfloat16 -> float32 -> bfloat16 is exact
+    assert layer.keys.dtype is torch.float32  # the buffers kept their dtype (and address)
+
+
+@needs_refusing_layer
+def test_a_refusal_after_the_models_dtype_changed_goes_to_the_slow_path_once_then_straight_there():
+    # A bfloat16 cache kept while the model moves to float32: the layer's own write refuses once.
+    config = tiny_lm("llama", "sdpa", torch.bfloat16).config
+    bf16 = torch.randn(1, 2, 1, 8, dtype=torch.bfloat16)
+    fp32 = [torch.randn(1, 2, 1, 8, dtype=torch.float32) for _ in range(2)]
+    with patch_on(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", guard.KVCacheDtypeWarning)
+        cache = models.static_cache(config, 1, 8, torch.bfloat16, "cpu")
+        layer = cache.layers[0]
+        counts = [_index_copies(lambda: _static_update(cache, bf16, 0))[1]]
+        assert _own_write_check(layer) is True  # buffers in the states' dtype: the layer's write checks
+        counts.append(_index_copies(lambda: _static_update(cache, bf16, 1))[1])
+        (keys, _), copies = _index_copies(lambda: _static_update(cache, fp32[0], 2))
+        counts.append(copies)
+        assert _own_write_check(layer) is False
+        (keys, _), copies = _index_copies(lambda: _static_update(cache, fp32[1], 3))
+        counts.append(copies)
+    # slow path, the layer's own write, a refused keys write then the slow path's two, the slow path
+    assert counts == [2, 2, 3, 2]
+    assert keys.dtype is torch.float32  # handed back in the compute dtype (rounded through bfloat16)
+    assert torch.equal(keys[:, :, 2:4], torch.cat(fp32, dim=-2).to(torch.bfloat16).float())
+
+
+@needs_refusing_layer
+def test_a_matching_static_layer_is_written_as_on_stock():
+    config = tiny_lm("llama", "sdpa", torch.bfloat16).config
+    states = [torch.randn(1, 2, 1, 8, dtype=torch.bfloat16) for _ in range(3)]
+
+    def run():
+        cache = models.static_cache(config, 1, 8, torch.bfloat16, "cpu")
+        copies = [_index_copies(lambda: _static_update(cache, step, position))[1] for position, step in enumerate(states)]
+        return cache.layers[0].keys.clone(), copies, cache.layers[0]
+
+    with stock():
+        stock_keys, stock_copies, _ = run()
+    with patch_on():
+        keys, copies, layer = run()
+    assert copies == stock_copies == [2, 2, 2]
+    assert _own_write_check(layer) is True
+    assert torch.equal(keys, stock_keys)
+
+
+@needs_refusing_layer
+def test_a_static_layers_own_runtime_error_is_raised_once_unchanged():
+    # States the layer refuses for another reason than their dtype (the head dim): its own error,
+    # raised once, as on stock, from a layer whose own write stands for the dtype check.
+    config = tiny_lm("llama", "sdpa", torch.bfloat16).config
+    wrong = torch.randn(1, 2, 1, 5, dtype=torch.bfloat16)
+
+    def run():
+        cache = models.static_cache(config, 1, 8, torch.bfloat16, "cpu")
+        _static_update(cache, torch.randn(1, 2, 1, 8, dtype=torch.bfloat16), 0)
+
+        def update():
+            with pytest.raises(RuntimeError) as raised:
+                _static_update(cache, wrong, 0)
+            return raised
+
+        raised, copies = _index_copies(update)
+        return str(raised.value), raised.traceback[-1].frame.code.name, copies, cache.layers[0]
+
+    with stock():
+        stock_error, stock_origin, stock_copies, _ = run()
+    with patch_on():
+        error, origin, copies, layer = run()
+    assert (error, origin) == (stock_error, stock_origin) and "index_copy_" in error
+    assert copies == stock_copies == 1  # the layer's update ran once, as on stock
+    assert _own_write_check(layer) is True  # still: the error was not about dtypes
+
+
+@needs_refusing_layer
+@pytest.mark.parametrize("mode", ["strict", "off"])
+def test_a_refused_static_write_in_strict_and_off_ends_as_without_the_own_write_check(mode):
+    # A layer whose own write checks (bfloat16 buffers, bfloat16 states seen), then float32 states.
+    config = tiny_lm("llama", "sdpa", torch.bfloat16).config
+    with patch_on(), guard.using_mode(mode):
+        cache = models.static_cache(config, 1, 8, torch.bfloat16, "cpu")
+        _static_update(cache, torch.randn(1, 2, 1, 8, dtype=torch.bfloat16), 0)
+        assert _own_write_check(cache.layers[0]) is True
+        expected = guard.CacheDtypeError if mode == "strict" else RuntimeError
+        match = r"layer 0 \(StaticLayer\) stores keys in torch.bfloat16" if mode == "strict" else re.escape(INDEX_COPY_ERROR)
+        with pytest.raises(expected, match=match):
+            _static_update(cache, torch.randn(1, 2, 1, 8, dtype=torch.float32), 1)
+    assert not cache.layers[0].keys[:, :, 1].any()  # the refused keys were never written
+
+
+@needs_refusing_layer
+def test_compiled_from_the_first_call_with_a_float32_static_cache():
+    # No eager call first: under dynamo a refused write cannot be caught in the graph, so the dtypes
+    # are compared there (decided at trace time), and the compiled forward generates the reference.
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    model = tiny_lm("llama", "sdpa", torch.bfloat16)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+
+    def greedy(forward, cache_dtype):
+        cache = models.static_cache(model.config, 1, 16, cache_dtype, "cpu")
+        tokens, ids = [], prompt
+        for step in range(3):
+            start = prompt.shape[1] - ids.shape[1] + step if step else 0
+            positions = torch.arange(start, start + ids.shape[1])
+            with torch.no_grad():
+                logits = forward(ids, positions[None], cache, positions)
+            ids = logits[:, -1:].argmax(-1)
+            tokens.append(ids.item())
+        return tokens
+
+    def forward(ids, position_ids, cache, cache_position):
+        positions = {"cache_position": cache_position} if TAKES_CACHE_KWARGS else {}
+        return model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True, **positions).logits
+
+    with stock():
+        reference = greedy(forward, torch.bfloat16)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    with patch_on(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", guard.KVCacheDtypeWarning)
+        tokens = greedy(torch.compile(forward, backend=counter, fullgraph=True), torch.float32)
+    torch._dynamo.reset()
+    assert counter.frame_count >= 1
+    assert tokens == reference
 
 
 def test_lazily_appended_layers_are_built_as_on_stock():
