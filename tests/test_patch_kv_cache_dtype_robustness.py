@@ -527,6 +527,15 @@ def _static_update(cache, states, position):
     return cache.update(states, states, 0, {"cache_position": torch.tensor([position])})
 
 
+def test_the_static_layers_own_write_check_is_recognised_exactly_on_4_56_to_5_3():
+    # The fingerprints (REFUSING_STATIC_UPDATES) cover every release of 4.56.0-5.3.0 and no other:
+    # 4.55.x's layer casts on write, and from 5.4.0 cumulative_length advances before the writes.
+    version = type(PATCH.transformers)
+    expected = cache_utils.StaticLayer if version("4.56.0") <= PATCH.transformers < version("5.4.0") else None
+    assert PATCH.patch_module._layer_refusing_other_dtypes(vars(cache_utils)) is expected
+    assert REFUSING_STATIC_LAYER is expected
+
+
 def _own_write_check(layer):
     return layer.__dict__.get(PATCH.patch_module.OWN_WRITE_CHECK)
 
