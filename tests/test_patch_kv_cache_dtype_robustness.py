@@ -469,6 +469,47 @@ def test_hot_path_runs_no_extra_python_frame(cache_kind):
     assert torch.equal(keys, stock_keys)
 
 
+class _DtypeReadCounter(torch.Tensor):
+    """A tensor that counts the Python-level ``.dtype`` reads made on it (torch routes a
+    subclass's attribute getters through ``__torch_function__``)."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func == torch.Tensor.dtype.__get__:
+            cls.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("values_dtype", [torch.bfloat16, torch.float32], ids=["values-like-keys", "values-other"])
+def test_a_dynamic_layers_fast_path_reads_three_dtypes_when_values_are_cached_like_keys(values_dtype):
+    # The fast-path test of a DynamicLayer reads the incoming keys', the cached keys' and the cached
+    # values' dtypes; the incoming values' only when the cached values are in another dtype than the
+    # incoming keys (four reads). Stock's own update reads none.
+    def states(dtype):
+        return torch.randn(1, 2, 3, 8, dtype=dtype).as_subclass(_DtypeReadCounter)
+
+    def reads_of_one_update():
+        cache = models.dynamic_cache(tiny_lm("llama", "sdpa", torch.bfloat16).config)
+        positions = ({"cache_position": torch.arange(3)},) if TAKES_CACHE_KWARGS else ()
+        cache.update(states(torch.bfloat16), states(values_dtype), 0, *positions)
+        keys, values = states(torch.bfloat16), states(values_dtype)
+        _DtypeReadCounter.reads = 0
+        result = cache.update(keys, values, 0, *positions)
+        return _DtypeReadCounter.reads, [t.dtype for t in result]
+
+    with stock():
+        stock_reads, stock_dtypes = reads_of_one_update()
+    with patch_on():
+        reads, dtypes = reads_of_one_update()
+    assert stock_reads == 0
+    assert dtypes == stock_dtypes  # what is handed back is stock's in both cases (nothing to align)
+    # 4.56.0-5.3.0 allocate a new layer's values in the keys' dtype: float32 values promote them
+    # (cached float32, incoming float32: the fourth read); 4.55.x and 5.4.0 on in the values' own.
+    assert reads == (3 if values_dtype is torch.bfloat16 else 4)
+
+
 def test_an_error_in_the_layers_update_is_raised_once_as_on_stock():
     # The fast path's checks are guarded against odd objects; the layer's own update must not be:
     # an AttributeError/TypeError raised inside it reaches the caller, and the update ran once.
