@@ -97,8 +97,10 @@ and the layer's ``update`` called as a plain call. From 5.4.0 (``Cache.update(..
 instructions *less* than stock's under callgrind on 5.13.0-5.24.0. On 4.56.0-5.3.0
 (``named_cache_kwargs``) the replacement has stock's signature and stock's layer call,
 ``layer.update(key_states, value_states, cache_kwargs)``; nothing is re-packed there to save, so
-the four ``.dtype`` reads (about 420 instructions each under callgrind) cost about 1,400
-instructions per update more than stock's (figure 8) with a dynamic cache. A ``StaticLayer``
+the ``.dtype`` reads (about 420 instructions each under callgrind) are the cost: three for a
+``DynamicLayer`` whose values are cached in the keys' dtype (:func:`_dynamic_layer`; four
+elsewhere), about 1,100 - 1,500 instructions per update more than stock's (figure 8, every
+release from 4.55.0, 5.4.0 on included, reads three there too). A ``StaticLayer``
 (every full-attention layer of a static cache) is not read there: its own ``update``, known by
 its fingerprint (``REFUSING_STATIC_UPDATES``), writes with ``index_copy_``, which refuses states
 in another dtype before writing anything, so the fast path calls it directly and a refusal (a
@@ -263,8 +265,8 @@ def _replace_named_cache_kwargs_update(original, static, dynamic_layer):
     The same fast path as :func:`_replace_cache_update`'s (stock's body, which 4.56.0-5.24.0
     share), but these releases' models always pass ``cache_kwargs`` (positionally), which the
     generic ``*args, **kwargs`` signature would re-pack on every call. Nothing is re-packed here to
-    save, so the four ``.dtype`` reads (about 420 instructions each under callgrind, torch 2.13)
-    are the whole cost; for a ``StaticLayer`` (the layer of every full-attention model's static
+    save, so the ``.dtype`` reads (about 420 instructions each under callgrind, torch 2.13; three
+    for a ``DynamicLayer``, :func:`_dynamic_layer`) are the whole cost; for a ``StaticLayer`` (the layer of every full-attention model's static
     cache) they are not made at all: its own ``update`` refuses states in another dtype
     (:data:`REFUSING_STATIC_UPDATES`), so once the slow path has seen the layer's buffers in the
     states' dtypes (:data:`OWN_WRITE_CHECK`) the layer is called directly, and a refusal sends the
