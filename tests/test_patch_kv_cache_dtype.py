@@ -24,7 +24,7 @@ import torch
 import overlay
 from overlay import guard
 from overlay.testing import models
-from overlay.testing.harness import PatchUnderTest
+from overlay.testing.harness import PatchUnderTest, counting_aten_ops
 
 PATCH = PatchUnderTest("kv_cache_dtype")
 GUARD = PatchUnderTest("attention_guard")
@@ -366,25 +366,13 @@ def test_compiled_sliding_window_decode_compiles_as_often_as_stock():
 
 
 def _aten_ops_of_one_decode_step(kind, attn, cache_dtype) -> Counter:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountOps(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
     model = tiny_model(kind, attn)
     cache = models.static_cache(model.config, 1, MAX_CACHE_LEN, cache_dtype, "cpu")
     with torch.no_grad():
         token = model(input_ids=torch.tensor([[5, 6, 7, 8]]), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        counting = CountOps()
-        with counting:
+        with counting_aten_ops() as ops:
             model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[4]]), use_cache=True)
-    return counting.ops
+    return ops
 
 
 @pytest.mark.parametrize("attn", ATTNS)

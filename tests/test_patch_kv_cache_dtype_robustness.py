@@ -32,7 +32,7 @@ import torch
 import overlay
 from overlay import guard
 from overlay.testing import models
-from overlay.testing.harness import PatchUnderTest
+from overlay.testing.harness import PatchUnderTest, counting_aten_ops
 
 PATCH = PatchUnderTest("kv_cache_dtype")
 PATCH.skip_module_unless_covered()
@@ -549,19 +549,9 @@ needs_refusing_layer = pytest.mark.skipif(
 
 def _index_copies(call):
     """(what ``call()`` returns, how many ``index_copy_`` it dispatched, refused ones included)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountIndexCopies(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket is torch.ops.aten.index_copy_:
-                CountIndexCopies.count += 1
-            return func(*args, **(kwargs or {}))
-
-    with CountIndexCopies():
+    with counting_aten_ops() as ops:
         result = call()
-    return result, CountIndexCopies.count
+    return result, ops["index_copy_"]
 
 
 def _static_update(cache, states, position):

@@ -13,7 +13,7 @@ the very messages users report instead of a copy of them::
 
 :func:`run_json_worker` runs a script in a fresh interpreter (the fake device can be named once per
 process) and reads back the JSON it prints; :func:`heavy_imports` says which heavy packages a
-module drags in when imported alone.
+module drags in when imported alone; :func:`counting_aten_ops` counts the aten ops a block runs.
 
 Importing this module imports neither torch nor transformers.
 """
@@ -27,12 +27,13 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from ..patch import Patch
 
-__all__ = ["PatchUnderTest", "run_json_worker", "assert_generated", "heavy_imports"]
+__all__ = ["PatchUnderTest", "run_json_worker", "assert_generated", "heavy_imports", "counting_aten_ops"]
 
 # The accelerator a patch's error text names, e.g. "cuda:0" or "neuron:0": error(device=) swaps it.
 _DEVICE_IN_TEXT = re.compile(r"\b(?:cuda|neuron|xla|mps|hpu|xpu|npu):\d+")
@@ -183,3 +184,21 @@ def heavy_imports(module: str, heavy: Sequence[str] = ("torch", "transformers"))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+@contextlib.contextmanager
+def counting_aten_ops() -> Iterator[Counter]:
+    """Count the aten ops dispatched while the block runs, by name (``"index_copy_"``, ``"_to_copy"``),
+    those that raise included (counted before they run): how tests see the copies, casts and
+    refused writes a patch adds or saves. Imports torch when entered."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: Counter = Counter()
+
+    class _CountOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _CountOps():
+        yield counts
