@@ -98,9 +98,9 @@ instructions *less* than stock's under callgrind on 5.13.0-5.24.0. On 4.56.0-5.3
 (``named_cache_kwargs``) the replacement has stock's signature and stock's layer call,
 ``layer.update(key_states, value_states, cache_kwargs)``; nothing is re-packed there to save, so
 the ``.dtype`` reads (about 420 instructions each under callgrind) are the cost: three for a
-``DynamicLayer`` whose values are cached in the keys' dtype (:func:`_dynamic_layer`; four
-elsewhere), about 1,100 - 1,500 instructions per update more than stock's (figure 8, every
-release from 4.55.0, 5.4.0 on included, reads three there too). A ``StaticLayer``
+``DynamicLayer`` whose values are cached in the keys' dtype (:func:`_dynamic_layer`; every
+release reads three there, four for other layers), about 1,100 - 1,650 instructions per dynamic
+update more than stock's (figure 8). A ``StaticLayer``
 (every full-attention layer of a static cache) is not read there: its own ``update``, known by
 its fingerprint (``REFUSING_STATIC_UPDATES``), writes with ``index_copy_``, which refuses states
 in another dtype before writing anything, so the fast path calls it directly and a refusal (a
@@ -112,8 +112,8 @@ refusal (the model's dtype changed since) notes that too. The price is one call 
 ``torch.compiler.is_dynamo_compiling()`` and one attribute read (under dynamo a refusal cannot be
 caught in the graph, so the dtypes are compared there, at trace time). A refused update whose
 keys matched and values did not has its keys written once more by the slow path (the same states
-at the same positions); in ``strict`` the error then comes after that keys write. When dtypes agree, nothing else
-runs: no copy, no kernel (tests count aten ops with a TorchDispatchMode), and under
+at the same positions); in ``strict`` the error then comes after that keys write. When dtypes
+agree, nothing else runs: no copy, no kernel (tests count aten ops with a TorchDispatchMode), and under
 ``torch.compile`` every branch is decided at trace time (dtypes are guarded), so no graph break
 and no recompilation. Offloaded caches take the slow path every step (a few hundred ns, next to
 the tensor moves). When dtypes differ: one cast of the new states on write (static layers), one
@@ -266,11 +266,11 @@ def _replace_named_cache_kwargs_update(original, static, dynamic_layer):
     share), but these releases' models always pass ``cache_kwargs`` (positionally), which the
     generic ``*args, **kwargs`` signature would re-pack on every call. Nothing is re-packed here to
     save, so the ``.dtype`` reads (about 420 instructions each under callgrind, torch 2.13; three
-    for a ``DynamicLayer``, :func:`_dynamic_layer`) are the whole cost; for a ``StaticLayer`` (the layer of every full-attention model's static
-    cache) they are not made at all: its own ``update`` refuses states in another dtype
-    (:data:`REFUSING_STATIC_UPDATES`), so once the slow path has seen the layer's buffers in the
-    states' dtypes (:data:`OWN_WRITE_CHECK`) the layer is called directly, and a refusal sends the
-    update to the slow path, which casts.
+    for a ``DynamicLayer``, :func:`_dynamic_layer`) are the whole cost; for a ``StaticLayer`` (the
+    layer of every full-attention model's static cache) they are not made at all: its own
+    ``update`` refuses states in another dtype (:data:`REFUSING_STATIC_UPDATES`), so once the slow
+    path has seen the layer's buffers in the states' dtypes (:data:`OWN_WRITE_CHECK`) the layer is
+    called directly, and a refusal sends the update to the slow path, which casts.
     """
     refusing_layer = _layer_refusing_other_dtypes(original.__globals__)
     dynamo_compiling = getattr(getattr(sys.modules.get("torch"), "compiler", None), "is_dynamo_compiling", None)
@@ -353,6 +353,9 @@ def _dynamic_layer(namespace):
     keys' dtype, and the one thing skipped is the cross-attention conversion of an
     ``EncoderDecoderCache``, within the limit the module docstring states (point 3: a
     self-attention cache that already holds the compute dtype).
+
+    The test is written out in each ``Cache.update`` replacement rather than called: a helper
+    would add a Python frame (about 300 instructions), most of what the saved read is worth.
     """
     layer_class = namespace.get("DynamicLayer")
     return layer_class if isinstance(layer_class, type) else None
