@@ -13,6 +13,10 @@ installed release, read from package metadata and from the patch files' own vers
   them, so they fail without the overlay on every release and pass with it;
 - ``tp-prefill-chunk`` (patch ``static-cache-tp-heads``): only under torchrun; fails without the
   overlay on affected releases for the plans that leave attention unsharded.
+
+The fake device's pure-Python backend (forced with a compiler that does not exist and an empty
+cache folder) must give the same verdict as the C++ one, name itself and say why it was used.
+Without torch or transformers the doctor says in one line what to install and exits 3.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import subprocess
 import sys
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +43,7 @@ TP_HEADS = PatchUnderTest("static_cache_tp_heads")
 KEPT_CACHE = PatchUnderTest("kept_static_cache")
 CHUNKED_PREFILL = PatchUnderTest("chunked_prefill")
 DOCTOR_TIMEOUT_S = 900  # a whole doctor run; each of its subprocesses has its own timeout too
+REPO_ROOT = Path(__file__).resolve().parents[1]
 FAKE_NOTE = (
     "no accelerator found: running on the host-memory fake device `fakeaccel`, which reproduces "
     "device-placement bugs, not performance"
@@ -65,13 +71,21 @@ def _doctor(args: list[str], tmp_path, env: dict | None = None, launcher: list[s
     done = subprocess.run(
         command,
         cwd=tmp_path,
-        env=dict(os.environ, **(env or {})),
+        env=_this_checkout_first(env),
         capture_output=True,
         text=True,
         timeout=DOCTOR_TIMEOUT_S,
     )
     assert done.stdout.strip(), f"no report; stderr:\n{done.stderr[-3000:]}"
     return done.returncode, json.loads(done.stdout), done.stderr
+
+
+def _this_checkout_first(env: dict | None = None) -> dict:
+    """The environment of a doctor subprocess: this checkout's ``overlay`` first on its path,
+    also where the interpreter has a (non-editable) copy of the package installed."""
+    full = dict(os.environ, **(env or {}))
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), full.get("PYTHONPATH")) if p)
+    return full
 
 
 def _scenario(report: dict, scenario_id: str) -> dict:
@@ -180,6 +194,29 @@ def test_text_report_is_the_verdict_table(fake_device_run):
     assert lines[-1].startswith("result: every scenario passes with the overlay (5 of 5)")
 
 
+def test_the_report_names_the_fake_backend_and_the_cache_folder(fake_device_run):
+    from overlay.testing.fake_device import cache_root
+
+    _, report, _ = fake_device_run
+    fake = report["environment"]["device"]["fake_device"]
+    lines = overlay.doctor.render(report).splitlines()
+    text = " ".join(overlay.doctor.render(report).split())  # the long rows wrap
+    assert fake["cache_dir"] == str(cache_root())
+    (cache_line,) = [line for line in lines if line.split()[:2] == ["cache", "folder"]]
+    assert cache_line.split()[2] == fake["cache_dir"]
+    if fake["backend"] == "cpp":
+        library = Path(fake["library"])
+        assert library.is_file() and library.is_relative_to(fake["cache_dir"])
+        assert fake["fallback_reason"] is None
+        assert fake["backend_text"] == f"C++ backend (cached in {library.parent})"
+        assert fake["cache_bytes"] >= library.stat().st_size
+        assert f"pip uninstall leaves it: rm -rf {fake['cache_dir']} removes it)" in text
+    else:  # no C++ toolchain on this machine: the reason is named instead
+        assert fake["library"] is None and fake["fallback_reason"]
+        assert fake["backend_text"] == f"pure-Python backend, because {fake['fallback_reason']}"
+    assert any(line.split()[:3] == ["fake", "backend", fake["backend_text"].split()[0]] for line in lines)
+
+
 def test_without_a_device_flag_the_doctor_picks_an_accelerator_or_the_fake_device():
     accelerators, _ = _env.detect_accelerators()
     choice = choose_device(None, accelerators, prepare_fake=False)
@@ -187,6 +224,203 @@ def test_without_a_device_flag_the_doctor_picks_an_accelerator_or_the_fake_devic
         assert choice.kind == "accelerator"
     else:
         assert (choice.device, choice.kind, choice.notes) == ("fakeaccel:0", "fake", [FAKE_NOTE])
+
+
+# -- the pure-Python fake device backend --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def python_backend_run(tmp_path_factory):
+    """``cache-dtype-prefix`` on the fake device's pure-Python backend, forced the way a machine
+    without build tools forces it: a C++ compiler that does not exist and an empty cache folder.
+    The scenario's bug is a dtype mismatch after ``model.to(torch.bfloat16)``; the pure-Python
+    backend once kept computing in float32 there, and the stock run passed (4/4)."""
+    folder = tmp_path_factory.mktemp("doctor-python-backend")
+    env = {"CXX": str(folder / "no-such-compiler"), "ATTN_OVERLAY_CACHE_DIR": str(folder / "cache")}
+    return (*_doctor(["--device", "fake", "--scenario", "cache-dtype-prefix"], folder, env=env), folder)
+
+
+def test_python_backend_names_itself_and_why_it_is_used(python_backend_run):
+    _, report, _, folder = python_backend_run
+    fake = report["environment"]["device"]["fake_device"]
+    assert fake["backend"] == "python"
+    assert fake["fallback_reason"].startswith(f"no C++ compiler found ('{folder / 'no-such-compiler'}' is not on PATH")
+    assert fake["library"] is None
+    assert fake["cache_dir"] == str(folder / "cache")
+    assert report["environment"]["device"]["description"] == "host-memory fake device, pure-Python backend"
+    text = " ".join(overlay.doctor.render(report).split())  # the long rows wrap
+    assert "fake backend pure-Python backend, because no C++ compiler found" in text
+    assert f"cache folder {folder / 'cache'} (not created)" in text
+
+
+def test_python_backend_reproduces_the_dtype_bug_as_the_cpp_backend_does(python_backend_run):
+    # A real reproduction: every case fails on stock with the errors of a real device (the same
+    # ones the C++ backend and CUDA give), and passes with the overlay with identical tokens.
+    returncode, report, _, _ = python_backend_run
+    prefix = _scenario(report, "cache-dtype-prefix")
+    for name, case in _cases(prefix["without"]).items():
+        assert not case["ok"], name
+        if "(eager)" in name:
+            assert case["error"] == "RuntimeError: expected scalar type Float but found BFloat16"
+        else:
+            assert case["error"].startswith(SDPA_DTYPE_ERROR)
+    assert prefix["fixed_by_overlay"] is True
+    _assert_fixed_with_identical_tokens(prefix)
+    assert returncode == 0
+    text = overlay.doctor.render(report)
+    assert any(line.split()[:4] == ["cache-dtype-prefix", "FAIL", "(0/4", "cases)"] for line in text.splitlines()), text
+    assert text.splitlines()[-1].startswith(
+        "result: every scenario passes with the overlay (1 of 1); 1 fail without it (cache-dtype-prefix)"
+    )
+
+
+def test_python_and_cpp_backends_generate_the_same_tokens(python_backend_run, fake_device_run):
+    _, cpp_report, _ = fake_device_run
+    if cpp_report["environment"]["device"]["fake_device"]["backend"] != "cpp":
+        pytest.skip("the C++ fake device cannot be built here: nothing to compare the pure-Python backend with")
+    _, python_report, _, _ = python_backend_run
+    cpp, python = _scenario(cpp_report, "cache-dtype-prefix"), _scenario(python_report, "cache-dtype-prefix")
+    for mode in ("without", "with"):
+        for name, case in _cases(cpp[mode]).items():
+            other = _cases(python[mode])[name]
+            assert (other["ok"], other["error"]) == (case["ok"], case["error"]), (mode, name)
+            tokens = (case.get("tokens"), case.get("reference_tokens"))
+            assert (other.get("tokens"), other.get("reference_tokens")) == tokens, (mode, name)
+
+
+# Why the C++ backend was not used, as the doctor reports it: each cause in its own words.
+
+
+def _cpp_unavailable_reason(monkeypatch, cache_dir: Path, **env: str) -> str:
+    from overlay.testing import fake_device
+
+    monkeypatch.setenv("ATTN_OVERLAY_CACHE_DIR", str(cache_dir))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(fake_device.FakeDeviceUnavailable) as caught:
+        fake_device._load_cpp_backend(retry_failed_build=False)  # builds or loads nothing here
+    return fake_device._one_line_reason(caught.value)
+
+
+def test_reason_no_compiler_and_no_ninja(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    compiler = str(tmp_path / "no-such-c++")
+    assert _cpp_unavailable_reason(monkeypatch, tmp_path / "cache", CXX=compiler).startswith(
+        f"no C++ compiler found ({compiler!r} is not on PATH; set CXX to one)"
+    )
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    reason = _cpp_unavailable_reason(monkeypatch, tmp_path / "cache", CXX=sys.executable)  # a program that exists
+    assert reason.startswith("ninja missing (pip install ninja), and no cached build in ")
+
+
+def test_reason_cache_folder_not_writable(monkeypatch, tmp_path):
+    from overlay.testing import fake_device
+
+    if fake_device._missing_build_tools():
+        pytest.skip(f"no C++ build tools here: {fake_device._missing_build_tools()}")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a folder cannot be made inside a file, also not by root
+    reason = _cpp_unavailable_reason(monkeypatch, blocker / "cache")
+    folder = blocker / "cache" / "fake_device"
+    assert reason.startswith(f"the cache folder {folder} is not writable (NotADirectoryError")
+    assert reason.endswith("set ATTN_OVERLAY_CACHE_DIR to a writable folder")
+
+
+def test_reason_compile_error_is_the_compilers_first_error_line(monkeypatch, tmp_path):
+    from overlay.testing import fake_device
+
+    if fake_device._missing_build_tools():
+        pytest.skip(f"no C++ build tools here: {fake_device._missing_build_tools()}")
+    # A compiler that reports its version like the real one and fails every compile.
+    compiler = tmp_path / "failing-c++"
+    compiler.write_text(
+        "#!/bin/sh\ncase \"$*\" in *-c\\ *) ;; *) exec c++ \"$@\";; esac\n"
+        "echo 'fake_device.cpp:1:1: error: simulated compile error' >&2\nexit 1\n"
+    )
+    compiler.chmod(0o755)
+    error = "fake_device.cpp:1:1: error: simulated compile error"
+    first = _cpp_unavailable_reason(monkeypatch, tmp_path / "cache", CXX=str(compiler))
+    assert first == f"the C++ build failed: {error}"
+    # Later processes do not build again; they say why the earlier build failed.
+    again = _cpp_unavailable_reason(monkeypatch, tmp_path / "cache", CXX=str(compiler))
+    assert again.startswith(f"an earlier build failed: RuntimeError: {error} (see ")
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"ATTN_OVERLAY_CACHE_DIR": "/srv/overlay-cache", "XDG_CACHE_HOME": "/xdg"}, "/srv/overlay-cache"),
+        ({"XDG_CACHE_HOME": "/xdg"}, "/xdg/attn-overlay"),
+        ({"XDG_CACHE_HOME": "relative/cache"}, "~/.cache/attn-overlay"),  # the XDG spec: ignored
+        ({}, "~/.cache/attn-overlay"),
+    ],
+)
+def test_cache_folder_follows_attn_overlay_cache_dir_then_xdg(monkeypatch, env, expected):
+    from overlay.testing.fake_device import cache_root, fake_device_cache_dir
+
+    for name in ("ATTN_OVERLAY_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cache_root() == Path(os.path.expanduser(expected))
+    assert fake_device_cache_dir() == cache_root() / "fake_device"
+
+
+# -- without torch or transformers ---------------------------------------------------------------------
+
+# Runs the doctor with the named modules unimportable, as in an environment without them.
+_HIDING_RUNNER = r"""
+import runpy, sys
+hidden = set(sys.argv[1].split(","))
+
+class Hidden:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in hidden:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Hidden())
+sys.argv = ["overlay.doctor", *sys.argv[2:]]
+runpy.run_module("overlay.doctor", run_name="__main__", alter_sys=True)
+"""
+
+
+def _doctor_without(modules: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _HIDING_RUNNER, modules, *args],
+        cwd=REPO_ROOT,
+        env=_this_checkout_first(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "hidden,says",
+    [
+        ("torch", "torch is not installed"),
+        ("transformers", "transformers is not installed"),
+        ("torch,transformers", "torch and transformers are not installed"),
+    ],
+)
+def test_without_torch_or_transformers_one_line_says_what_to_install_and_exit_code_is_3(hidden, says):
+    done = _doctor_without(hidden, "--json")
+    assert done.returncode == overlay.doctor.EXIT_MISSING_DEPENDENCY == 3, done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"python -m overlay.doctor: cannot run here: {says} for the Python at {sys.executable}")
+    for module in hidden.split(","):
+        assert f'"{module}==<the release you use>"' in line.partition("pip install ")[2], line
+
+
+def test_help_runs_without_torch_and_states_the_exit_codes():
+    done = _doctor_without("torch,transformers", "--help")
+    assert done.returncode == 0, done.stderr
+    help_text = " ".join(done.stdout.split())
+    assert "3 cannot run here: torch or transformers is missing" in help_text
+    assert "Exit codes: 0" in overlay.doctor.__doc__ and "3 cannot run here" in " ".join(overlay.doctor.__doc__.split())
 
 
 # -- --device cpu, a failing run, progress lines -----------------------------------------------------

@@ -4,12 +4,21 @@ It finds the accelerator torch sees (CUDA, XPU, Ascend NPU, MPS, a PrivateUse1 b
 Neuron, XLA through ``torch_xla``), builds tiny randomly initialised models from configs (nothing
 is downloaded) and runs each scenario twice, each time in a fresh subprocess: once on stock
 transformers, once with the overlay applied. A scenario passes when every one of its cases
-finishes and generates the same tokens as its reference run. Exit code 0 means every scenario
-passes with the overlay.
+finishes and generates the same tokens as its reference run.
+
+Exit codes: 0 every scenario that ran passes with the overlay; 1 one fails with the overlay (or
+none ran); 2 bad usage (an unknown scenario, a device this machine does not have, a fake device
+that cannot be installed); 3 cannot run here, a dependency is missing (torch or transformers is
+not installed, or does not import): one line on stderr says what to install, and nothing runs.
 
 With no accelerator it uses the host-memory fake device of :mod:`overlay.testing`, on which
 device-placement bugs fail exactly as on an accelerator: the without-overlay column then shows
 the real failures of the installed transformers, and the with-overlay column shows them fixed.
+The report names the fake device's implementation: its C++ backend (compiled once, cached in
+attn-overlay's cache folder, ``~/.cache/attn-overlay`` by default, which the report names too),
+or its pure-Python backend and why the C++ one was not used (no C++ compiler, ninja missing,
+the cache folder not writable, the compiler's first error). Both compute what the CPU computes
+and fail where a real device fails.
 
 The tensor-parallel scenario runs when the doctor is itself launched by torchrun with a world
 size above one (``torchrun --nproc-per-node 2 -m overlay.doctor``).
@@ -25,9 +34,12 @@ import json
 import sys
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["run_doctor", "render", "main", "SCENARIO_IDS"]
+__all__ = ["run_doctor", "render", "main", "SCENARIO_IDS", "MissingDependencyError", "EXIT_MISSING_DEPENDENCY"]
 
+from ._env import MissingDependencyError
 from ._scenarios import SCENARIO_IDS  # scenario ids, in report order
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_MISSING_DEPENDENCY = 0, 1, 2, 3
 
 
 def run_doctor(
@@ -47,7 +59,8 @@ def run_doctor(
     subprocess. ``jobs``: scenario subprocesses at once (default: 2 on CPU, CUDA, XPU and MPS; 1 on
     devices a process holds exclusively). ``threads``: torch threads in each subprocess.
     ``progress``: called with one line per finished scenario run.
-    Raises ``ValueError`` for an unknown scenario or a device this machine does not have.
+    Raises ``ValueError`` for an unknown scenario or a device this machine does not have, and
+    :class:`MissingDependencyError` (an ``ImportError``) when torch or transformers is missing.
     """
     from ._runner import run
 
@@ -67,11 +80,14 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Check that generation works on this machine's accelerator, without and with the overlay: "
             "tiny random models, each scenario in a fresh subprocess on stock transformers and with "
-            "the overlay applied. Exit code 0 when every scenario passes with the overlay."
+            "the overlay applied."
         ),
         epilog=(
             "Scenarios: " + ", ".join(SCENARIO_IDS) + ". The tensor-parallel one runs under torchrun "
-            "with world size > 1: torchrun --nproc-per-node 2 -m overlay.doctor"
+            "with world size > 1: torchrun --nproc-per-node 2 -m overlay.doctor. "
+            "Exit codes: 0 every scenario passes with the overlay; 1 a scenario fails with it; "
+            "2 bad usage (unknown scenario, a device not on this machine); 3 cannot run here: "
+            "torch or transformers is missing (stderr says what to install)."
         ),
     )
     parser.add_argument(
@@ -107,12 +123,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=args.threads,
             progress=progress,
         )
+    except MissingDependencyError as exc:  # torch or transformers not installed here
+        print(f"python -m overlay.doctor: {exc}", file=sys.stderr)
+        return EXIT_MISSING_DEPENDENCY
     except ValueError as exc:  # a device that is not here, ...
         print(f"python -m overlay.doctor: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if report["environment"].get("rank", 0) == 0:
         print(json.dumps(report, indent=2) if args.json else render(report))
-    return 0 if report["ok"] else 1
+    return EXIT_PASS if report["ok"] else EXIT_FAIL
 
 
 def _print_progress(line: str) -> None:

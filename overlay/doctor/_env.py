@@ -34,6 +34,67 @@ class DeviceChoiceError(ValueError):
     """``--device`` names something this machine does not have."""
 
 
+class MissingDependencyError(ImportError):
+    """torch or transformers cannot be imported here: the doctor cannot run (exit code 3)."""
+
+
+#: What the doctor needs in the environment it runs in (import name -> distribution name).
+REQUIRED = {"torch": "torch", "transformers": "transformers"}
+
+
+def check_dependencies() -> None:
+    """Raises :class:`MissingDependencyError`, with one line saying what is missing and what to
+    install, unless torch imports and transformers is installed. Imports torch (the doctor
+    needs it next anyway), not transformers: the parent process never imports it, the scenario
+    subprocesses do."""
+    missing: list[str] = []
+    broken: list[str] = []
+    for module in REQUIRED:
+        try:
+            if module == "torch":
+                importlib.import_module(module)
+            elif importlib.util.find_spec(module) is None:
+                missing.append(module)
+        except ModuleNotFoundError as exc:
+            if exc.name in (None, module):
+                missing.append(module)
+            else:  # installed, but something it imports is not
+                broken.append(f"{module} ({type(exc).__name__}: {exc})")
+        except Exception as exc:  # noqa: BLE001 - an installed package that does not import
+            lines = str(exc).strip().splitlines()
+            what = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+            broken.append(f"{module} ({what})")
+    if not missing and not broken:
+        return
+    python = f"the Python at {sys.executable}"
+    if not missing:
+        raise MissingDependencyError(
+            f"cannot run here: {' and '.join(broken)} does not import with {python}; repair or reinstall it"
+        )
+    versions = {name: _installed_version(REQUIRED[name]) for name in REQUIRED if name not in missing}
+    installed = [f"{name} {v}" for name, v in versions.items() if v]
+    pins = " ".join(f'"{REQUIRED[name]}==<the release you use>"' for name in missing)
+    text = (
+        f"cannot run here: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed "
+        f"for {python} (the doctor runs tiny models with torch and transformers); install "
+        f"{'it' if len(missing) == 1 else 'them'}, pinned"
+        + (f" to go with {', '.join(installed)}" if installed else "")
+        + f": pip install {pins}"
+    )
+    if broken:
+        text += f"; also, {' and '.join(broken)} does not import"
+    raise MissingDependencyError(text)
+
+
+def _installed_version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
 @dataclass
 class Accelerator:
     device: str  # e.g. "cuda:0", "xla:0", "neuron:0"
@@ -53,6 +114,8 @@ class DeviceChoice:
     plugins: list[str] = field(default_factory=list)
     fake_name: str | None = None
     fake_backend: str | None = None
+    # The fake device's implementation, as installed here: see fake_device_summary().
+    fake_details: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -61,7 +124,9 @@ class DeviceChoice:
             "kind": self.kind,
             "description": self.description,
             "plugins": list(self.plugins),
-            "fake_device": None if self.fake_name is None else {"name": self.fake_name, "backend": self.fake_backend},
+            "fake_device": None
+            if self.fake_name is None
+            else {"name": self.fake_name, "backend": self.fake_backend, **self.fake_details},
             "notes": list(self.notes),
         }
 
@@ -310,5 +375,47 @@ def _fake_choice(
         except Exception as exc:
             raise DeviceChoiceError(f"the host-memory fake device `{name}` is not available here: {exc}") from exc
         backend = fake_device_backend()
-    description = f"host-memory fake device ({backend} backend)" if backend else "host-memory fake device"
-    return DeviceChoice(f"{name}:0", "fake", description, fake_name=name, fake_backend=backend, notes=notes)
+    details = fake_device_summary() if prepare else {}
+    in_words = {"cpp": ", C++ backend", "python": ", pure-Python backend"}.get(backend or "", "")
+    description = "host-memory fake device" + in_words
+    return DeviceChoice(
+        f"{name}:0", "fake", description, fake_name=name, fake_backend=backend, fake_details=details, notes=notes
+    )
+
+
+def fake_device_summary() -> dict[str, Any]:
+    """The installed fake device's implementation, for the report: ``library`` (the cached C++
+    library, or None), ``fallback_reason`` (why the pure-Python backend: no C++ compiler, ninja
+    missing, the cache folder not writable, the compiler's first error...), ``backend_text``
+    (both in words), ``cache_dir`` (attn-overlay's cache folder) and ``cache_bytes`` (what it
+    holds now; None when it does not exist)."""
+    from overlay.testing.fake_device import cache_root, fake_device_details
+
+    details = fake_device_details() or {}
+    if details.get("backend") == "cpp":
+        library = details.get("library")
+        text = f"C++ backend (cached in {os.path.dirname(library)})" if library else "C++ backend"
+    else:
+        text = f"pure-Python backend, because {details.get('fallback_reason') or 'the C++ backend was not used'}"
+    root = cache_root()
+    return {
+        "library": details.get("library"),
+        "fallback_reason": details.get("fallback_reason"),
+        "backend_text": text,
+        "cache_dir": str(root),
+        "cache_bytes": _folder_bytes(root),
+    }
+
+
+def _folder_bytes(folder: Any) -> int | None:
+    """What the files under ``folder`` hold, in bytes; None when there is no such folder."""
+    if not os.path.isdir(folder):
+        return None
+    total = 0
+    for path, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(path, name)).st_size
+            except OSError:
+                pass
+    return total

@@ -24,7 +24,22 @@ def render(report: dict[str, Any]) -> str:
     rows.append(("device", f"{device['device']} ({device['description']})"))
     if env.get("world_size", 1) > 1:
         rows.append(("torchrun", f"world size {env['world_size']}"))
-    out += _pairs(rows)
+    fake = device.get("fake_device") or {}
+    wrapped = []  # rows whose text can be long: wrapped under their value column
+    if fake.get("backend_text"):
+        # Which implementation ran, and why the pure-Python one (a reason the reader can act on).
+        wrapped.append(("fake backend", fake["backend_text"]))
+    if fake.get("cache_dir"):
+        held = fake.get("cache_bytes")
+        wrapped.append((
+            "cache folder",
+            f"{fake['cache_dir']} (not created)" if held is None else
+            f"{fake['cache_dir']} ({_size(held)}; pip uninstall leaves it: rm -rf {fake['cache_dir']} removes it)",
+        ))
+    width = max(len(k) for k, _ in rows + wrapped)
+    out += _pairs(rows, width)
+    for key, value in wrapped:
+        out += _wrap(f"{key:<{width}}  {value}", "  ", hang=width + 2)
     for problem in env.get("detection_problems", ()):
         out.append(f"  ! {problem}")
     out.append("")
@@ -125,9 +140,19 @@ def _same_tokens(scenario: dict) -> str:
     return ""
 
 
-def _pairs(rows: list[tuple[str, str]]) -> list[str]:
-    width = max(len(k) for k, _ in rows)
+def _pairs(rows: list[tuple[str, str]], width: int | None = None) -> list[str]:
+    width = width or max(len(k) for k, _ in rows)
     return [f"  {k:<{width}}  {v}" for k, v in rows]
+
+
+def _size(count: int) -> str:
+    if count < 1024:
+        return "empty" if count == 0 else f"{count} bytes"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}"
+    return f"{count:.0f} GiB"
 
 
 def _wrap(text: str, indent: str, hang: int = 2) -> list[str]:

@@ -70,6 +70,9 @@ def run(
 ) -> dict[str, Any]:
     started = time.perf_counter()
     chosen = select_scenarios(scenarios)
+    # Before anything else: without torch or transformers every scenario would fail for that
+    # one reason, after minutes of subprocesses; say it once instead.
+    _env.check_dependencies()
     launch = _Launch()
     say = progress or (lambda line: None)
 

@@ -36,6 +36,7 @@ def install(name: str, device_module: Any) -> None:
     _setup_privateuseone_for_python_backend(rename=name, backend_module=device_module)
     fake = torch.device(name, 0)
     cpu = torch.device("cpu")
+    _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # torch's own getter and setter
 
     def is_fake(device: Any) -> bool:
         return isinstance(device, torch.device) and device.type == name
@@ -65,6 +66,20 @@ def install(name: str, device_module: Any) -> None:
             return wrapper
 
         __torch_function__ = torch._C._disabled_torch_function_impl
+
+        # ``tensor.data = other`` replaces the wrapper's metadata (dtype, shape) in C++, but not
+        # the held CPU tensor: ``Module.to(dtype)`` does exactly that to every parameter, and
+        # without this a "bfloat16" model kept computing on its old float32 data (so dtype
+        # mismatches that fail on every real device went unseen). The held tensor follows.
+        @property
+        def data(self) -> torch.Tensor:
+            return _TENSOR_DATA.__get__(self)
+
+        @data.setter
+        def data(self, new: torch.Tensor) -> None:
+            _TENSOR_DATA.__set__(self, new)
+            if isinstance(new, HostBackedTensor):
+                self._host = new._host
 
         def __format__(self, format_spec: str) -> str:
             # torch.Tensor formats only plain 0-dim tensors as numbers (tensor printing needs it).

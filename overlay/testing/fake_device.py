@@ -33,11 +33,13 @@ Things to know:
   ``"cpp"``
       A small C++ extension (``_fake_device.cpp``) compiled on first use with
       ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja; about a minute). The library
-      is cached per user in ``$ATTN_OVERLAY_CACHE_DIR`` or ``$XDG_CACHE_HOME/attn-overlay``
-      (default ``~/.cache/attn-overlay``), keyed by the torch version and the source, so later
-      processes load it in milliseconds. Operators without a kernel of their own check devices
-      and then run their CPU kernel on the same memory (torch's ``cpu_fallback``), so any dense
-      CPU operator works, autograd included.
+      (a few hundred KiB) is cached per user under ``$ATTN_OVERLAY_CACHE_DIR`` or
+      ``$XDG_CACHE_HOME/attn-overlay`` (default ``~/.cache/attn-overlay``, see
+      :func:`cache_root`), in ``fake_device/<key>/``, keyed by the torch version and the source,
+      so later processes load it in milliseconds. ``pip uninstall`` leaves that folder; delete
+      it by hand (``rm -rf ~/.cache/attn-overlay``). Operators without a kernel of their own
+      check devices and then run their CPU kernel on the same memory (torch's
+      ``cpu_fallback``), so any dense CPU operator works, autograd included.
   ``"python"``
       No compiler needed: a tensor subclass whose ``__torch_dispatch__`` checks devices and runs
       the CPU kernels on the host tensor it wraps (one Python call per op: several times slower).
@@ -49,7 +51,8 @@ Things to know:
   ``"auto"`` (default)
       ``"cpp"`` when it builds or is cached, else ``"python"``.
 
-  :func:`fake_device_backend` says which one is installed.
+  :func:`fake_device_backend` says which one is installed, :func:`fake_device_details` also
+  why (the reason the C++ one was not used) and where the C++ library is cached.
 * Device rules follow real accelerators: all tensor arguments of an op must be on one device,
   except zero-dimensional CPU tensors (treated as scalars) and CPU index tensors of advanced
   indexing (``x[idx]``, ``x[idx] = v``). Copies between devices (``.to()``, ``copy_``) work.
@@ -85,7 +88,9 @@ __all__ = [
     "install_fake_device",
     "fake_device_available",
     "fake_device_backend",
+    "fake_device_details",
     "fake_device_cache_dir",
+    "cache_root",
 ]
 
 DEFAULT_DEVICE_NAME = "fakeaccel"
@@ -97,8 +102,9 @@ _EXTRA_CFLAGS = ("-O2",)
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
-# What this process installed: {"name": str, "backend": "cpp" | "python"}; None before.
-_installed: dict[str, str] | None = None
+# What this process installed: {"name": str, "backend": "cpp" | "python", "library": path of
+# the C++ library or None, "fallback_reason": why not the C++ backend, or None}; None before.
+_installed: dict[str, str | None] | None = None
 
 
 class FakeDeviceUnavailable(RuntimeError):
@@ -150,15 +156,18 @@ def install_fake_device(name: str = DEFAULT_DEVICE_NAME, backend: str = "auto") 
 
         failures: list[str] = []
         chosen = None
+        library: Path | None = None
+        fallback_reason = "backend='python' was requested" if backend == "python" else None
         if backend in ("auto", "cpp"):
             try:
-                _load_cpp_backend(retry_failed_build=backend == "cpp")
+                library = _load_cpp_backend(retry_failed_build=backend == "cpp")
                 chosen = "cpp"
             except Exception as exc:  # noqa: BLE001 - reported below, or "python" is tried
                 if backend == "cpp":
                     raise FakeDeviceUnavailable(f"the C++ fake device could not be built or loaded: {exc}") from exc
                 failures.append(f"cpp: {type(exc).__name__}: {exc}")
-                _log.info("fake device: C++ backend unavailable (%s); using the python backend", exc)
+                fallback_reason = _one_line_reason(exc)
+                _log.info("fake device: C++ backend unavailable (%s); using the python backend", fallback_reason)
         if chosen is None:
             try:
                 _check_python_backend_supported()
@@ -178,7 +187,12 @@ def install_fake_device(name: str = DEFAULT_DEVICE_NAME, backend: str = "auto") 
             from . import _python_backend
 
             _python_backend.install(name, device_module)
-        _installed = {"name": name, "backend": chosen}
+        _installed = {
+            "name": name,
+            "backend": chosen,
+            "library": None if library is None else str(library),
+            "fallback_reason": None if chosen == "cpp" else fallback_reason,
+        }
         return torch.device(name, 0)
 
 
@@ -193,6 +207,15 @@ def _is_known_device_type(torch: Any, name: str) -> bool:
 def fake_device_backend() -> str | None:
     """``"cpp"`` or ``"python"``: the implementation installed in this process; None before."""
     return None if _installed is None else _installed["backend"]
+
+
+def fake_device_details() -> dict[str, str | None] | None:
+    """What :func:`install_fake_device` installed in this process (None before): ``name``,
+    ``backend`` (``"cpp"`` or ``"python"``), ``library`` (the cached C++ library, or None) and
+    ``fallback_reason`` (for the python backend: why the C++ one was not used, in one line, e.g.
+    no C++ compiler found, ninja missing, the cache folder not writable, the compiler's first
+    error; None for the C++ backend)."""
+    return None if _installed is None else dict(_installed)
 
 
 def fake_device_available(backend: str = "auto") -> bool:
@@ -220,13 +243,22 @@ def fake_device_available(backend: str = "auto") -> bool:
     return python if backend == "python" else cpp or python
 
 
-def fake_device_cache_dir() -> Path:
-    """Where compiled fake-device libraries are cached (one sub-folder per torch/source key)."""
+def cache_root() -> Path:
+    """attn-overlay's per-user cache folder: ``$ATTN_OVERLAY_CACHE_DIR`` if set, else
+    ``$XDG_CACHE_HOME/attn-overlay``, else ``~/.cache/attn-overlay`` (the XDG base-directory
+    convention: a relative ``XDG_CACHE_HOME`` is ignored). Only the fake device's C++ library is
+    stored there; ``pip uninstall`` does not remove it."""
     explicit = os.environ.get("ATTN_OVERLAY_CACHE_DIR")
     if explicit:
-        return Path(explicit) / "fake_device"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "attn-overlay" / "fake_device"
+        return Path(os.path.expanduser(explicit))
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attn-overlay"
+
+
+def fake_device_cache_dir() -> Path:
+    """Where compiled fake-device libraries are cached (one sub-folder per torch/source key)."""
+    return cache_root() / "fake_device"
 
 
 # ------------------------------------------------------------------------------------- C++
@@ -254,39 +286,79 @@ def _cpp_library_path() -> Path:
     return fake_device_cache_dir() / _cpp_cache_key() / f"{_LIBRARY_NAME}.so"
 
 
-def _compiler_available() -> bool:
+def _missing_build_tools() -> list[str]:
+    """What is missing to compile the C++ backend, in words (empty when nothing is)."""
     from torch.utils import cpp_extension
 
+    missing = []
     compiler = os.environ.get("CXX", "c++")
-    return shutil.which(compiler) is not None and cpp_extension.is_ninja_available()
+    if shutil.which(compiler) is None:
+        missing.append(f"no C++ compiler found ({compiler!r} is not on PATH; set CXX to one)")
+    if not cpp_extension.is_ninja_available():
+        missing.append("ninja missing (pip install ninja)")
+    return missing
 
 
-def _load_cpp_backend(retry_failed_build: bool) -> None:
+def _compiler_available() -> bool:
+    return not _missing_build_tools()
+
+
+def _one_line_reason(exc: BaseException) -> str:
+    """Why the C++ backend failed, in one line: the message's first line, or for a failed
+    compile the first line of the compiler's output that says ``error`` (cpp_extension puts the
+    whole build log into its message)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    first = lines[0]
+    if first.startswith("the C++ build failed") or "Error building extension" in first:
+        # A compiler diagnostic ("file.cpp:3:1: error: ..."), else any line that says error;
+        # not the echoed command lines, whose paths may contain the word.
+        log = [line for line in lines[1:] if not line.startswith(("[", "FAILED:")) and " -o " not in line]
+        errors = [line for line in log if re.search(r":\s*(fatal )?error:", line)] or [
+            line for line in log if re.search(r"\berror\b", line, re.IGNORECASE)
+        ]
+        if errors:
+            first = f"{first.split(':', 1)[0]}: {errors[0]}"
+    return first if len(first) <= 300 else first[:299] + "…"
+
+
+def _load_cpp_backend(retry_failed_build: bool) -> Path:
+    """Loads the C++ library (building it into the cache first if needed); returns its path.
+    Raises :class:`FakeDeviceUnavailable` saying why it cannot."""
     import torch
 
     library = _cpp_library_path()
     failure_note = library.with_name("build-failed.txt")
     if not library.exists():
-        if not _compiler_available():
-            raise FakeDeviceUnavailable(
-                f"no cached build in {library.parent} and no C++ compiler "
-                f"({os.environ.get('CXX', 'c++')}) or ninja to build one"
-            )
+        missing = _missing_build_tools()
+        if missing:
+            raise FakeDeviceUnavailable(f"{' and '.join(missing)}, and no cached build in {library.parent}")
         if failure_note.exists() and not retry_failed_build:
             # Do not spend a minute per process on a build known to fail ("cpp" retries).
+            earlier = _one_line_reason(RuntimeError(failure_note.read_text(errors="replace")))
             raise FakeDeviceUnavailable(
-                f"an earlier build failed (see {failure_note}; delete it or use backend='cpp' to retry)"
+                f"an earlier build failed: {earlier} (see {failure_note}; delete it or use backend='cpp' to retry)"
             )
-        with _build_lock(library.parent.parent):
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(_build_lock(library.parent.parent))
+            except OSError as exc:
+                raise FakeDeviceUnavailable(
+                    f"the cache folder {library.parent.parent} is not writable ({type(exc).__name__}: "
+                    f"{exc.strerror or exc}); set ATTN_OVERLAY_CACHE_DIR to a writable folder"
+                ) from exc
             if not library.exists():  # another process may have built it meanwhile
                 try:
                     _build_cpp_library(library)
                 except Exception as exc:
-                    failure_note.write_text(f"{type(exc).__name__}: {exc}\n")
-                    raise
+                    with contextlib.suppress(OSError):  # the note only saves later processes time
+                        failure_note.write_text(f"{type(exc).__name__}: {exc}\n")
+                    raise FakeDeviceUnavailable(f"the C++ build failed: {type(exc).__name__}: {exc}") from exc
                 failure_note.unlink(missing_ok=True)
-                return  # cpp_extension.load has loaded it already
+                return library  # cpp_extension.load has loaded it already
     torch.ops.load_library(str(library))
+    return library
 
 
 @contextlib.contextmanager
