@@ -3,6 +3,11 @@
 Outcomes are statuses, never exceptions out of ``import transformers`` (unless strict mode asks
 for exceptions). Everything that changes state holds one re-entrant lock, so concurrent first
 imports from several threads apply each patch exactly once.
+
+What it says is what is in force: a target module is judged only once it has executed (in
+whichever thread executed it: a module still executing in another thread is left pending, and
+its post-import hook judges it), and :func:`status` checks each applied replacement is still the
+object on its owner ("displaced" when someone replaced it since).
 """
 
 from __future__ import annotations
@@ -41,12 +46,23 @@ TRANSFORMERS = "transformers"
 # Status values, in the words the table prints: the verdict's (overlay.patch) and the engine's own.
 DISABLED = "disabled"
 INACTIVE = "inactive"  # overlay not activated in this process (or reverted)
+# Applied, but another object has taken the replacement's place since: the fix is not in force.
+# Derived when a status is read (never stored): putting the replacement back makes it "applied" again.
+DISPLACED = "displaced"
 
-BAD_STATES = frozenset({UNRECOGNISED, FAILED})
+BAD_STATES = frozenset({UNRECOGNISED, FAILED, DISPLACED})
 
 
 class OverlayError(RuntimeError):
     """Raised in strict mode, and for misuse of the API."""
+
+
+def _strict_error(message: str) -> OverlayError:
+    """The error strict mode raises: it goes through the startup hook (which swallows every other
+    error) and makes the import that triggered it fail, as ``ATTN_OVERLAY_STRICT=1`` asks."""
+    error = OverlayError(message + " (strict mode)")
+    error.raise_through_import = True
+    return error
 
 
 @dataclass(frozen=True)
@@ -200,7 +216,10 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
     # then): what is left to judge is the code.
     verdict = judge_code(patch, read_source)
     if verdict.state != APPLIED:
-        _set(record, verdict.state, verdict.reason, verdict.labels)
+        reason = verdict.reason
+        if verdict.state == UNRECOGNISED:
+            reason = _foreign_code(patch, located) or reason
+        _set(record, verdict.state, reason, verdict.labels)
         return False
 
     swaps: list[_Swap] = []
@@ -230,6 +249,25 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
     _engine.ever_patched.add(module.__name__)
     _set(record, APPLIED, verdict.reason, verdict.labels)
     return True
+
+
+def _foreign_code(patch: Patch, located: dict) -> str | None:
+    """Why a target is unrecognised when another library replaced it before the overlay came (its
+    function is defined outside transformers' module for it): the overlay patches only code it
+    recognises, never over someone else's. ``None`` when every target is transformers' own code."""
+    for target in patch.targets:
+        raw = located[target.key][2]
+        if raw is None:
+            continue
+        module = getattr(function_of(raw), "__module__", None)
+        own = {target.module, *([target.inherited_from.partition(":")[0]] if target.inherited_from else [])}
+        if module is not None and module not in own:
+            return (
+                f"{target.key} is {describe_object(raw)}, which another library put there before the overlay "
+                "patched: not transformers' code, so not patched (the overlay patches only code it recognises). "
+                f"Its fix, if any, is that library's; ATTN_OVERLAY_DISABLE={patch.id} silences this"
+            )
+    return None
 
 
 def _set(record: _Record, state: str, reason: str, variants: tuple[str, ...] = ()) -> None:
@@ -286,7 +324,8 @@ def _initial_record(patch: Patch, version: str | None, disabled: frozenset[str])
 
 def _on_module_executed(module: ModuleType) -> None:
     """Post-import hook (see ``_attn_overlay_startup.PostImportFinder``): a watched module has
-    just executed, by a first import or by ``importlib.reload``."""
+    just executed, by a first import or by ``importlib.reload``, in this thread. In strict mode a
+    patch that could not be applied makes this import raise."""
     with _engine.lock:
         if not _engine.active:
             return
@@ -294,7 +333,9 @@ def _on_module_executed(module: ModuleType) -> None:
             _engine.suspended.add(module.__name__)
             return
         _forget_reexecuted(module)
-        _apply_for_module(module)
+        problems = _apply_for_module(module)
+        if problems and _engine.settings.strict:
+            raise _strict_error("; ".join(problems))
 
 
 def _forget_reexecuted(module: ModuleType) -> None:
@@ -309,19 +350,28 @@ def _forget_reexecuted(module: ModuleType) -> None:
         _set(record, PENDING, f"{module.__name__} was executed again (reload); patching the new code")
 
 
-def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> None:
+def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> list[str]:
+    """Judge and apply every pending patch of ``module`` (which has executed). One patch's failure
+    never stops the others. Returns one message per patch that could not be applied (the caller
+    raises them in strict mode; each is logged as a warning here otherwise)."""
     started = time.perf_counter()
     swapped: list[str] = []
+    problems: list[str] = []
     for record in _engine.records.values():
         if record.patch.module != module.__name__ or record.status.state != PENDING:
             continue
-        if _apply_patch(record, module):
+        try:
+            applied_now = _apply_patch(record, module)
+        except Exception as exc:  # noqa: BLE001 -- a broken patch is that patch's status, no one else's
+            _set(record, FAILED, f"{type(exc).__name__} while applying: {exc}")
+            applied_now = False
+        if applied_now:
             swapped.append(record.patch.id)
         elif record.status.state in BAD_STATES:
             message = f"attn-overlay: patch {record.patch.id} not applied: {record.status.reason}"
-            if _engine.settings.strict:
-                raise OverlayError(message + " (strict mode)")
-            logger.warning(message)
+            problems.append(message)
+            if not _engine.settings.strict:
+                logger.warning(message)
     _engine.last_apply_seconds[module.__name__] = time.perf_counter() - started
     if swapped:
         if imported_before:  # once per module: it is in ever_patched from now on
@@ -336,6 +386,17 @@ def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> N
             module.__name__,
             _engine.version,
         )
+    return problems
+
+
+def _has_executed(name: str, module: ModuleType, finder: Any) -> bool:
+    """Whether ``module`` (in sys.modules, not executing through the finder now) has executed to
+    the end: through the finder (which knows), or else as the import system says (a module still
+    executing in another thread, imported before the finder watched it, is ``_initializing``)."""
+    executed = getattr(finder, "executed", None)  # a finder of an older attn-overlay has none
+    if executed is not None and executed(name):
+        return True
+    return not getattr(getattr(module, "__spec__", None), "_initializing", False)
 
 
 def _activate(settings: Settings, only: Iterable[str] | None, *, from_startup: bool = False) -> None:
@@ -361,27 +422,48 @@ def _activate(settings: Settings, only: Iterable[str] | None, *, from_startup: b
                 continue
             if record is None or record.status.state in (INACTIVE, DISABLED):
                 _engine.records[patch.id] = _initial_record(patch, _engine.version, settings.disabled)
-        _watch_pending()
+        finder, executing = _watch_pending()
         if config.report_at_exit():
             from . import report
 
-            report.print_report_at_exit(patches)
+            report.print_report_at_exit(patches, statuses=status)
+        problems: list[str] = []
         for name in sorted({r.patch.module for r in _engine.records.values() if r.status.state == PENDING}):
             module = sys.modules.get(name)
-            if module is not None:
-                # Imported during `import transformers` itself (startup) is not late: nothing
-                # outside transformers can have captured a function yet.
-                _apply_for_module(module, imported_before=not from_startup and name not in _engine.ever_patched)
+            if module is None or name in executing:
+                continue  # not imported yet, or executing now: judged by its post-import hook
+            if not _has_executed(name, module, finder):
+                _leave_pending(name, (
+                    f"{name} was still executing in another thread when the overlay was activated, "
+                    "without the overlay's import hook; call overlay.apply() again once it is imported"
+                ))
+                continue
+            # Imported during `import transformers` itself (startup) is not late: nothing
+            # outside transformers can have captured a function yet.
+            problems += _apply_for_module(module, imported_before=not from_startup and name not in _engine.ever_patched)
+        if problems and settings.strict:
+            raise _strict_error("; ".join(problems))
 
 
-def _watch_pending() -> None:
+def _leave_pending(module_name: str, reason: str) -> None:
+    for record in _engine.records.values():
+        if record.patch.module == module_name and record.status.state == PENDING:
+            _set(record, PENDING, reason)
+
+
+def _watch_pending() -> tuple[Any, set[str]]:
+    """Watch every pending patch's module; returns the finder and the modules executing through it
+    right now (their post-import hook, the engine's among them, judges them once executed)."""
     import _attn_overlay_startup as startup
 
     finder = startup.ensure_finder()
-    for record in _engine.records.values():
-        if record.status.state == PENDING and record.patch.module not in _engine.watching:
-            finder.watch(record.patch.module, _on_module_executed)
-            _engine.watching.add(record.patch.module)
+    executing: set[str] = set()
+    for name in sorted({r.patch.module for r in _engine.records.values() if r.status.state == PENDING}):
+        # Asked even when watched already: "executing now?" is read with the watch, in one step.
+        if finder.watch(name, _on_module_executed):
+            executing.add(name)
+        _engine.watching.add(name)
+    return finder, executing
 
 
 def _unwatch_all() -> None:
@@ -403,10 +485,10 @@ def activate_from_startup(module: ModuleType | None = None) -> None:
             return
         settings = Settings.from_env()
         _activate(settings, only=None, from_startup=True)
-    except OverlayError:
-        if settings is not None and settings.strict:
+    except OverlayError as exc:
+        if getattr(exc, "raise_through_import", False):
             raise
-        record_startup_failure(sys.exc_info()[1])
+        record_startup_failure(exc)
     except Exception as exc:
         record_startup_failure(exc)
 
@@ -482,7 +564,53 @@ def status() -> list[PatchStatus]:
                 reason = _engine.startup_error or "overlay not activated in this process"
                 out.append(replace(record.status, state=INACTIVE, reason=f"{reason}; would be: {record.status.state} ({record.status.reason})"))
             return out
-        return [r.status for r in _engine.records.values()]
+        return [_in_force(r) for r in _engine.records.values()]
+
+
+def _in_force(record: _Record) -> PatchStatus:
+    """The record's status, checked against what is in force now: an applied patch whose
+    replacement is no longer the object on its owner is "displaced", naming what took its place
+    (read each time: nothing is stored, so putting the replacement back makes it "applied" again)."""
+    status = record.status
+    if status.state != APPLIED:
+        return status
+    for swap in record.swaps:
+        current = vars(swap.owner).get(swap.name)
+        if current is swap.replacement or _wraps(current, swap.replacement):
+            continue
+        where = f"{getattr(swap.owner, '__module__', '?')}:{getattr(swap.owner, '__qualname__', swap.owner)}.{swap.name}"
+        who = describe_object(current)
+        return replace(status, state=DISPLACED, reason=(
+            f"{where} is now {who}, set after the overlay patched it: the overlay's replacement is not in force. "
+            f"If {who} only wraps the function it found, keep the fix by installing it after the overlay "
+            "with functools.wraps (the overlay follows __wrapped__); if it replaces the function, "
+            f"the fix is not there: leave one of the two out (ATTN_OVERLAY_DISABLE={record.patch.id}, "
+            "or do not install the other)"
+        ))
+    return status
+
+
+def _wraps(current: Any, replacement: Any) -> bool:
+    """Whether ``current`` wraps ``replacement`` (``functools.wraps``' ``__wrapped__`` chain)."""
+    target = function_of(replacement)
+    func = function_of(current)
+    for _ in range(32):  # a bound on odd __wrapped__ cycles
+        func = getattr(func, "__wrapped__", None)
+        if func is None:
+            return False
+        if func is target:
+            return True
+    return False
+
+
+def describe_object(obj: Any) -> str:
+    """``module.qualname`` of a function found on a class or module (``"nothing"`` when gone)."""
+    if obj is None:
+        return "nothing (the attribute was deleted)"
+    func = function_of(obj)
+    module = getattr(func, "__module__", None) or "?"
+    name = getattr(func, "__qualname__", None) or type(func).__qualname__
+    return f"{module}.{name}"
 
 
 def is_active() -> bool:
@@ -549,10 +677,13 @@ def reverted() -> Iterator[None]:
             if was:
                 _activate(settings, only=was)
             if _engine.active and _engine.suspended is None:
+                problems = []
                 for name in imported:
                     module = sys.modules.get(name)
                     if module is not None:
-                        _apply_for_module(module)
+                        problems += _apply_for_module(module)
+                if problems and _engine.settings.strict:
+                    raise _strict_error("; ".join(problems))
 
 
 @contextlib.contextmanager

@@ -171,6 +171,11 @@ class Patch:
     fixed_in: str | None
     """First upstream release that fixes it, or ``None`` when no release does."""
     targets: tuple[Target, ...]
+    introduced_in: str | None = None
+    """The first release that ships the code causing the bug, when that is inside what the patch
+    knows: releases before it do not have the bug, and their "out of range" says so. ``None``:
+    the bug's code is older than ``affected``'s lowest release (or not known), so a release
+    before that range is "out of range" as not checked."""
     doctor: tuple[str, ...] = ()
     """Ids of the ``python -m overlay.doctor`` scenarios that prove this fix on a user's machine
     (``overlay/doctor/_scenarios.py``): the doctor reports each scenario with the patches that
@@ -377,7 +382,27 @@ def gate(patch: "Patch", installed: str | None, distribution: str = "transformer
         return PENDING, f"{distribution} {installed} is in {patch.affected}"
     if patch.fixed_in is not None and Version(version.base_version) >= Version(patch.fixed_in):
         return FIXED_UPSTREAM, f"{distribution} {installed} includes the upstream fix (since {patch.fixed_in})"
+    if patch.introduced_in is not None and version < Version(patch.introduced_in):
+        return OUT_OF_RANGE, (
+            f"{distribution} {installed} does not have this bug: the code that causes it arrived in {patch.introduced_in}"
+        )
+    lowest = lowest_release(affected)
+    if lowest is not None and version < lowest:
+        return OUT_OF_RANGE, (
+            f"{distribution} {installed} is older than {lowest}, the oldest release this patch was written for: "
+            "not checked (the bug may be there)"
+        )
     return OUT_OF_RANGE, f"{distribution} {installed} is outside {patch.affected}, the releases this patch was written for"
+
+
+def lowest_release(affected: Any) -> Any:
+    """The lowest release a ``SpecifierSet`` admits by its ``>=``/``>``/``==``/``~=`` bounds, or
+    ``None`` when it has no lower bound."""
+    from packaging.version import Version
+
+    bounds = [Version(spec.version) for spec in affected if spec.operator in (">=", ">", "==", "~=", "===")
+              and "*" not in spec.version]
+    return min(bounds) if bounds else None
 
 
 def match_target(target: Target, source: str | None) -> TargetMatch:

@@ -22,20 +22,23 @@ _calls: Counter[str] = Counter()
 _actions: dict[str, Counter[str]] = {}
 
 
-def record(patch_id: str, action: str) -> None:
-    """Count one call in which patch ``patch_id`` changed something; ``action`` says what, in a
-    short phrase that reads after the patch id (``"moved nested masks to neuron:0"``)."""
+def record(patch_id: str, action: str, *more: str) -> None:
+    """Count one call in which patch ``patch_id`` changed something; ``action`` (and ``more``:
+    everything else that call changed) says what, in a short phrase that reads after the patch id
+    (``"moved nested masks to neuron:0"``). One call is one count, whatever it did."""
     with _lock:
         _calls[patch_id] += 1
-        _actions.setdefault(patch_id, Counter())[action] += 1
+        actions = _actions.setdefault(patch_id, Counter())
+        for what in (action, *more):
+            actions[what] += 1
 
 
-def record_outside_compile(patch_id: str, action: str) -> None:
+def record_outside_compile(patch_id: str, action: str, *more: str) -> None:
     """:func:`record`, skipped while torch.compile traces (the eager run counts the same fix)."""
     import torch  # already imported: a patch fired on torch tensors
 
     if not torch.compiler.is_compiling():
-        record(patch_id, action)
+        record(patch_id, action, *more)
 
 
 def fired() -> dict[str, int]:
@@ -63,12 +66,14 @@ def describe_actions(actions: dict[str, int]) -> str:
     return "; ".join(f"{action} ({count}x)" for action, count in ranked)
 
 
-def report_lines(patches) -> list[str]:
-    """One line per patch that fired, with its actions and the upgrade advice."""
+def report_lines(patches, statuses=()) -> list[str]:
+    """One line per patch that fired, with its actions and the upgrade advice, then one per
+    patch in ``statuses`` (``overlay.status()``) that is displaced: its fix is not in force."""
     by_id = {patch.id: patch for patch in patches}
     lines = []
+    calls = fired()
     for patch_id, actions in sorted(fired_actions().items()):
-        total = sum(actions.values())
+        total = calls.get(patch_id, 0)
         what = describe_actions(actions)
         patch = by_id.get(patch_id)
         if patch is None:
@@ -78,14 +83,18 @@ def report_lines(patches) -> list[str]:
         else:
             advice = "; no transformers release fixes this yet"
         lines.append(f"attn-overlay: {patch_id} fired in {total} call(s): {what}{advice}")
+    for status in statuses:
+        if status.state == "displaced":
+            lines.append(f"attn-overlay: {status.id} is displaced: {status.reason}")
     return lines
 
 
 _registered_at_exit = False
 
 
-def print_report_at_exit(patches) -> None:
-    """Print :func:`report_lines` on stderr when the process exits (registered once)."""
+def print_report_at_exit(patches, statuses=None) -> None:
+    """Print :func:`report_lines` on stderr when the process exits (registered once);
+    ``statuses``: a callable returning the patch statuses then (the engine's ``status``)."""
     global _registered_at_exit
     with _lock:
         if _registered_at_exit:
@@ -93,13 +102,14 @@ def print_report_at_exit(patches) -> None:
         _registered_at_exit = True
     import atexit
 
-    atexit.register(print_report, patches)
+    atexit.register(print_report, patches, statuses=statuses)
 
 
-def print_report(patches, stream=None) -> None:
-    """Write :func:`report_lines` to stderr (nothing when nothing fired). Never raises."""
+def print_report(patches, stream=None, statuses=None) -> None:
+    """Write :func:`report_lines` to stderr (nothing when nothing fired and nothing is displaced;
+    ``statuses`` as for :func:`print_report_at_exit`). Never raises."""
     try:
-        lines = report_lines(patches)
+        lines = report_lines(patches, statuses() if statuses is not None else ())
         if lines:
             print("\n".join(lines), file=stream or sys.stderr, flush=True)
     except Exception:

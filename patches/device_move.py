@@ -127,6 +127,8 @@ PATCH = Patch(
     "GenerationMixin.prepare_inputs_for_generation)",
     affected=">=5.13.0,<5.20.0",
     fixed_in="5.20.0",
+    # Before 5.13.0 prepare_inputs_for_generation moves nothing to the device: no bug to fix.
+    introduced_in="5.13.0",
     targets=(
         Target(
             module=MODULE,

@@ -445,6 +445,8 @@ def _slow_update(original, static, cache, key_states, value_states, layer_idx, a
     if mode == guard.OFF or not (isinstance(key_states, tensor) and isinstance(value_states, tensor)):
         return original(cache, key_states, value_states, layer_idx, *args, **kwargs)
     compiling = torch.compiler.is_compiling()
+    # What this one update changed, counted as one call by overlay.report (never while compiling).
+    done = None if compiling else []
     autocast_dtype = _autocast_dtype(key_states)
     layer = _layer(cache, layer_idx)
 
@@ -461,23 +463,23 @@ def _slow_update(original, static, cache, key_states, value_states, layer_idx, a
         if type(layer).update in casting:
             # 4.55: the layer's own update casts the states to its buffers' dtype, so stock stores them:
             # nothing is cast here; a narrowing write is reported (strict raises) as where the overlay casts.
-            _to_buffer(layer, layer_idx, "keys", key_states, mode, autocast_dtype, compiling, cast=False)
-            _to_buffer(layer, layer_idx, "values", value_states, mode, autocast_dtype, compiling, cast=False)
+            _to_buffer(layer, layer_idx, "keys", key_states, mode, autocast_dtype, compiling, done, cast=False)
+            _to_buffer(layer, layer_idx, "values", value_states, mode, autocast_dtype, compiling, done, cast=False)
         elif _writes_in_place(layer, static, key_states.shape[-2]):
-            write_k = _to_buffer(layer, layer_idx, "keys", key_states, mode, autocast_dtype, compiling)
-            write_v = _to_buffer(layer, layer_idx, "values", value_states, mode, autocast_dtype, compiling)
+            write_k = _to_buffer(layer, layer_idx, "keys", key_states, mode, autocast_dtype, compiling, done)
+            write_v = _to_buffer(layer, layer_idx, "values", value_states, mode, autocast_dtype, compiling, done)
 
     # The cross-attention cache of the same decoder layer, read directly right after this update.
     cross = getattr(cache, "__dict__", {}).get(CROSS_ATTR)
     if cross is not None and autocast_dtype is None:
-        _align_cross_layer(cross, layer_idx, key_states, value_states, mode, compiling)
+        _align_cross_layer(cross, layer_idx, key_states, value_states, mode, compiling, done)
 
     keys, values = original(cache, write_k, write_v, layer_idx, *args, **kwargs)
 
     # Read side: the compute dtype, except under autocast (autocast casts in the kernels, as on stock).
     if autocast_dtype is None:
         if isinstance(keys, tensor) and keys.dtype is not key_states.dtype:
-            keys = _hand_back(cache, layer, layer_idx, "keys", keys, key_states, mode, compiling)
+            keys = _hand_back(cache, layer, layer_idx, "keys", keys, key_states, mode, compiling, done)
         # Values only when they come in the keys' dtype: outside autocast, values in another dtype than
         # the keys (and the query) are a model-precision matter that attention rejects as on stock.
         if (
@@ -485,7 +487,11 @@ def _slow_update(original, static, cache, key_states, value_states, layer_idx, a
             and values.dtype is not value_states.dtype
             and value_states.dtype is key_states.dtype
         ):
-            values = _hand_back(cache, layer, layer_idx, "values", values, value_states, mode, compiling)
+            values = _hand_back(cache, layer, layer_idx, "values", values, value_states, mode, compiling, done)
+    if done:
+        from overlay import report
+
+        report.record(PATCH_ID, *done)
     return keys, values
 
 
@@ -635,9 +641,10 @@ def _narrows(stored_dtype, incoming_dtype, autocast_dtype):
     return not (autocast_dtype is not None and stored_dtype == autocast_dtype)
 
 
-def _to_buffer(layer, layer_idx, which, incoming, mode, autocast_dtype, compiling, cast=True):
+def _to_buffer(layer, layer_idx, which, incoming, mode, autocast_dtype, compiling, done, cast=True):
     """Write side of a static layer: the incoming states in the buffer's dtype. ``cast=False``: the
-    layer's own update casts them (4.55), so only the checks run and the states go on as they are."""
+    layer's own update casts them (4.55), so only the checks run and the states go on as they are.
+    ``done`` (``None`` while compiling) collects what the update changed, for overlay.report."""
     stored = getattr(layer, which, None)
     if stored is None or stored.dtype is incoming.dtype:
         return incoming
@@ -649,26 +656,22 @@ def _to_buffer(layer, layer_idx, which, incoming, mode, autocast_dtype, compilin
         guard.warn_cache_rounding_once(layer_idx, layer, which, stored.dtype, incoming.dtype)
     if not cast:
         return incoming
-    if not compiling:
-        from overlay import report
-
-        report.record(PATCH_ID, f"stored {incoming.dtype} {which} in a {stored.dtype} static cache")
+    if done is not None:
+        done.append(f"stored {incoming.dtype} {which} in a {stored.dtype} static cache")
     return incoming.to(stored.dtype)
 
 
-def _hand_back(cache, layer, layer_idx, which, returned, incoming, mode, compiling):
+def _hand_back(cache, layer, layer_idx, which, returned, incoming, mode, compiling, done):
     """Read side: what the cache hands back, in the dtype of the incoming states."""
     if mode == guard.STRICT:
         raise guard.CacheDtypeError(layer if layer is not None else cache, which, returned, incoming, layer_idx)
     if not compiling:
         guard.warn_cache_cast_once(layer_idx, layer if layer is not None else cache, which, returned.dtype, incoming.dtype)
-        from overlay import report
-
-        report.record(PATCH_ID, f"cast {returned.dtype} cache {which} for {incoming.dtype} attention")
+        done.append(f"cast {returned.dtype} cache {which} for {incoming.dtype} attention")
     return returned.to(incoming.dtype)
 
 
-def _align_cross_layer(cross, layer_idx, key_states, value_states, mode, compiling):
+def _align_cross_layer(cross, layer_idx, key_states, value_states, mode, compiling, done):
     """Convert cross-attention layer ``layer_idx`` (read directly by the models) to the compute dtype, once."""
     layers = getattr(cross, "layers", None)
     if not isinstance(layers, list) or not 0 <= layer_idx < len(layers):
@@ -690,9 +693,7 @@ def _align_cross_layer(cross, layer_idx, key_states, value_states, mode, compili
                 torch._dynamo.mark_static_address(converted)
             narrows = torch.promote_types(stored.dtype, dtype) != dtype
             guard.warn_cross_cache_cast_once(layer_idx, layer, which, stored.dtype, dtype, narrows)
-            from overlay import report
-
-            report.record(PATCH_ID, f"converted {stored.dtype} cross-attention cache {which} to {dtype}")
+            done.append(f"converted {stored.dtype} cross-attention cache {which} to {dtype}")
 
 
 def _replace_encoder_decoder_init(original, variant):

@@ -440,3 +440,37 @@ def test_flash_attention_2_with_fp32_prefilled_cache():
         tokens = run(prefix(torch.float32))
     with stock():
         assert torch.equal(tokens, run(prefix(torch.bfloat16)))
+
+
+# -- what overlay.fired() says -----------------------------------------------------------------
+
+
+def test_fired_counts_one_per_cache_update_that_changed_something():
+    # A bfloat16 model with a float32 static cache: every Cache.update call casts (what is stored,
+    # and what is handed back), and fired() counts each such call once, as its words say.
+    from overlay import report
+
+    model = models.tiny_model("llama", dtype=torch.bfloat16)
+    batch = models.left_padded_batch((6, 4))
+    cache = models.static_cache(model.config, 2, MAX_CACHE_LEN, torch.float32)
+    calls = Counter()
+    update = cache.update
+
+    def counting_update(*args, **kwargs):
+        calls["update"] += 1
+        return update(*args, **kwargs)
+
+    cache.update = counting_update  # the models call past_key_values.update(...)
+    report.reset()
+    try:
+        with overlay_on():
+            models.greedy_ids(model, batch, NEW_TOKENS, **{models.cache_argument_name(model): cache})
+        updates = calls["update"]
+        assert updates == model.config.num_hidden_layers * NEW_TOKENS  # prefill + decode steps, per layer
+        assert report.fired()[PATCH.id] == updates
+        actions = report.fired_actions()[PATCH.id]
+        assert max(actions.values()) <= updates
+        line = next(line for line in report.report_lines(overlay.known_patches()) if PATCH.id in line)
+        assert f"{PATCH.id} fired in {updates} call(s)" in line
+    finally:
+        report.reset()

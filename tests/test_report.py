@@ -59,3 +59,34 @@ def test_an_idle_process_and_a_process_without_the_variable_print_nothing():
     assert idle.returncode == 0 and "attn-overlay" not in idle.stderr, idle.stderr
     quiet = _run(RECORD_THEN_EXIT, ATTN_OVERLAY_REPORT="0")
     assert quiet.returncode == 0 and "fired" not in quiet.stderr, quiet.stderr
+
+
+DISPLACE_THEN_EXIT = """
+import importlib
+import overlay
+overlay.apply()
+for patch in overlay.known_patches():
+    importlib.import_module(patch.module)
+applied = next(s for s in overlay.status() if s.state == "applied")
+target = next(p for p in overlay.known_patches() if p.id == applied.id).targets[0]
+owner_path, _, name = target.qualname.rpartition(".")
+owner = importlib.import_module(target.module)
+for part in owner_path.split("."):
+    owner = getattr(owner, part)
+
+def someone_elses(*args, **kwargs):
+    raise AssertionError("not called")
+
+setattr(owner, name, someone_elses)
+print(applied.id)
+"""
+
+
+def test_the_exit_report_names_a_displaced_patch():
+    done = _run(DISPLACE_THEN_EXIT, ATTN_OVERLAY_REPORT="1")
+    assert done.returncode == 0, done.stderr
+    patch_id = done.stdout.split()[-1]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("attn-overlay:")]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"attn-overlay: {patch_id} is displaced: ")
+    assert "is now __main__.someone_elses, set after the overlay patched it" in lines[0]
