@@ -1,13 +1,27 @@
-"""Chunked prefill (``prefill_chunk_size``) hands decoding the right position, gives every chunk
-its own position ids, and on 5.0.0 works with the default cache.
+"""Chunked prefill (``prefill_chunk_size``) gives every chunk the position ids of its rows (left
+padding included), hands decoding the right position, and on 5.0.0 works with the default cache.
 
-What breaks (transformers 5.0.0rc1 - 5.2.0). ``generate(..., prefill_chunk_size=N)`` runs
-``GenerationMixin._prefill``, whose chunked branch feeds the whole prompt to the model chunk by
-chunk (positions ``0 .. P-1`` for a prompt of ``P`` tokens, all written to the cache) and then
-leaves ``model_kwargs["cache_position"]`` holding ``[P]``: the last chunk's last position plus
-one. The decoding loop treats the prefill as a step already taken and advances that once more
-(``_update_model_kwargs_for_generation``: ``cache_position[-1:] + 1``), so the first generated
-token is written at ``P + 1`` instead of ``P`` and every later one a slot late. With
+What breaks (transformers 4.55.0 - 5.0.0rc2): left-padded rows. The chunk loop (4.55.0 - 4.57.x
+``GenerationMixin._prefill_chunking``, 5.0.0rc1 - rc2 the chunked branch of
+``GenerationMixin._prefill``) sets every chunk's ``position_ids`` to ``cache_position.unsqueeze(0)``:
+``start .. end-1`` for every row of the batch. A row padded on the left by ``k`` tokens has its
+tokens embedded ``k`` positions too far (rotary or learned positions), while the last prompt token
+and every decoded one (4.55 - 4.57 run them outside the chunks) get their positions from the
+attention mask, as without chunking. No error: the padded rows generate other tokens than an
+unchunked run, whatever the cache (static, dynamic, default); rows without padding are right (a
+tiny Qwen3, a batch of two with the second row padded by 3, chunk 3: the second row's tokens
+differ from the second one on, the first row's are the unchunked run's). 4.55.0 - 4.57.x chunk
+only greedy search and sampling (``_sample``): beam search ignores ``prefill_chunk_size`` there.
+Upstream issue #43082; 5.0.0rc3 removed the line (pull request #43132), leaving the ids to
+``prepare_inputs_for_generation``.
+
+What breaks (transformers 5.0.0rc1 - 5.2.0): the decode position. ``generate(...,
+prefill_chunk_size=N)`` runs ``GenerationMixin._prefill``, whose chunked branch feeds the whole
+prompt to the model chunk by chunk (positions ``0 .. P-1`` for a prompt of ``P`` tokens, all written
+to the cache) and then leaves ``model_kwargs["cache_position"]`` holding ``[P]``: the last chunk's
+last position plus one. The decoding loop treats the prefill as a step already taken and advances
+that once more (``_update_model_kwargs_for_generation``: ``cache_position[-1:] + 1``), so the first
+generated token is written at ``P + 1`` instead of ``P`` and every later one a slot late. With
 ``cache_implementation="static"`` (the cache holds ``max_length - 1`` slots) the last step writes
 past the end::
 
@@ -18,7 +32,8 @@ user-built ``StaticCache(max_cache_len=64)``), and with a dynamic cache for a mo
 sliding-window layers (Gemma 3), nothing fails but the output is silently wrong: rotary positions
 are shifted by one and attention sees an unwritten (zero) slot of a static cache; the
 sliding-window mask is off by one. A prefill without chunking leaves ``cache_position =
-arange(P)``, which the same update advances to ``P``: right.
+arange(P)``, which the same update advances to ``P``: right. (4.55 - 4.57 prefill only ``P - 1``
+tokens in chunks and leave ``[P - 1]``, which the loop's first step uses as it is: right.)
 
 5.2.0 also: ``generate()`` now prepares ``position_ids`` for the whole prompt before the prefill
 (``_prepare_position_ids_for_generation``), and the chunked branch passes them whole to every
@@ -36,8 +51,31 @@ call), and the chunked branch asks for the key before any chunk runs. 5.1.0 crea
 cache in ``_prepare_cache_for_generation`` whenever a cache is used, so the key is always there.
 5.3.0 fixed the rest upstream (``_prefill``'s chunked branch rewritten).
 
-What the replacement does: it wraps ``_prefill`` (no copied code). Without ``prefill_chunk_size``
-it calls the original and returns: nothing else happens. With it:
+What the replacement does.
+
+A. 4.55.0 - 4.57.x (``_prefill_chunking``) and the chunked branch of 5.0.0rc1 - rc2
+(``_prefill``, variant parameter ``chunks_ignore_padding``): the chunk loop runs in
+``_prefill_in_chunks``, a re-implementation of the originals' few lines (their wrong ids are set
+inside the loop, between a chunk's slicing and its forward: no wrapper reaches them). Every step
+is the original's, in its order (dynamo's cache size limit, ``torch.split``, the same
+``ValueError`` without a cache, the compiled forward where the release would compile, the bound
+``forward`` on 4.55 - 4.57 and ``__call__`` on the release candidates, the attention mask sliced
+to the end of the chunk, ``cache_position = arange(start, end)``, the cache handed on, the state
+left after the loop) but one: no ``position_ids`` for the chunk. ``prepare_inputs_for_generation``
+then derives them from the chunk's slice of the attention mask (cumulative sum minus one, padding
+set to 1, the last ``len(chunk)`` kept), as 5.0.0rc3 - 5.1.0 do: the slice of the ids an unchunked
+prefill gets from the whole mask (a cumulative sum over a prefix of the mask is the prefix of the
+cumulative sum). Exact, for every model whose ``forward`` takes ``position_ids``; one that does not
+builds its own from ``cache_position``, which is what it gets without chunking. Without an
+attention mask the model falls back on ``cache_position``: ``start .. end-1``, the original's ids.
+Position ids the caller passed to ``generate()`` are sliced to each chunk (``[..., start:end]``:
+what an unchunked prefill uses of them; the originals overwrote them) and dropped afterwards, as
+the originals drop them. The rest of 4.55 - 4.57 stays stock: the last prompt token is left to
+the decoding loop, which gets ``cache_position = [P - 1]`` as from the original.
+
+B. 5.0.0rc1 - 5.2.0 (``_prefill``): it wraps ``_prefill`` (on 5.0.0 - 5.2.0 no copied code; on the
+release candidates the chunked branch is A). Without ``prefill_chunk_size`` it calls the original
+and returns: nothing else happens. With it:
 
 1. Before the call, only when ``model_kwargs`` has no ``past_key_values`` while the generation
    uses a cache (``use_cache``) the model builds by default (``_supports_default_dynamic_cache()``):
@@ -71,46 +109,116 @@ it calls the original and returns: nothing else happens. With it:
    by the user it appends to the full list, as after a non-chunked prefill. Nothing else the
    original left is touched (the attention mask it put back, the cache, the logits it returns).
 
-Cost: one attribute read per ``generate()`` call without chunking; with chunking, one ``arange``
-of the prompt length per call. Nothing per decoding step.
+Cost: one attribute read per ``generate()`` call without chunking (4.55 - 4.57: none, the target
+runs only with chunking); with chunking, per chunk one ``cumsum`` of the mask's slice inside
+``prepare_inputs_for_generation`` (4.55 - 5.0.0rc2: instead of an ``unsqueeze``), per call one
+``arange`` of the prompt length (5.0.0rc1 - 5.2.0). Nothing per decoding step.
 
 Not covered (stock behaviour kept, on these releases as shipped): ``position_ids`` of the user's
 own that are not the attention mask's (packed sequences...) together with a prompt of several
-chunks: the chunks get the mask's positions (stock gives every chunk the last chunk's), decoding
-continues from the user's; a cache passed in that already holds tokens (the branch rewrites from
-position 0 whatever it holds); the per-chunk ``position_ids`` of 5.0.0rc1 - rc2, which ignore left
-padding (upstream issue 43082, fixed in 5.0.0): with a left-padded batch and chunking those two
-release candidates still differ from a non-chunked run after this patch, while a batch without
-padding is fixed there too. 5.0.0rc3 ships 5.0.0's ``_prefill`` (the same fingerprint, labelled
-by release number); 5.0.0rc0 was not fingerprinted: code the patch does not know is
-"unrecognised", never patched.
+chunks on 5.0.0rc1 - 5.2.0: the chunks get the mask's positions (stock gives every chunk the last
+chunk's, or ``arange``), decoding continues from the user's; a cache passed in that already holds
+tokens (the chunks rewrite from position 0 whatever it holds); beam search on 4.55 - 4.57, which
+does not chunk. 5.0.0rc3 ships 5.0.0's ``_prefill`` (the same fingerprint, labelled by release
+number); 5.0.0rc0 was not fingerprinted, nor any release before 4.55.0: code the patch does not
+know is "unrecognised" or out of range, never patched.
 
-Tested (``tests/test_patch_chunked_prefill.py``, in the lanes 5.0.0 - 5.3.0 and 5.24.0, and by
-hand in 5.0.0rc1 and rc2 environments): tiny Llama and Gemma 3, a 17-token prompt in a batch of
-two (left-padded and without padding), chunk 8, static (greedy and beam search), user-built static,
-dynamic and default caches: stock fails or differs where stated above; with the patch every chunked
-run gives the non-chunked run's ids and scores, and every forward sees the same ``cache_position``
-and ``position_ids``.
+Tested (``tests/test_patch_chunked_prefill.py``, in the lanes 4.55.4, 4.57.6, 5.0.0, 5.2.0,
+5.18.0, and by hand in 4.56.2, 5.0.0rc1 and rc2 environments): tiny Llama and Gemma 3, a 17-token
+prompt in a batch of two (left-padded and without padding), chunk 8, static (greedy and beam
+search), user-built static, dynamic and default caches; and a left-padded batch on every
+architecture of ``overlay.testing.models`` that decodes (Llama, Qwen3, Gemma 3, OLMo2) and GPT-2
+(learned absolute positions), static and default caches: stock fails or differs where stated above
+(the padded row's tokens, up to 5.0.0rc2); with the patch every chunked run gives the non-chunked
+run's ids, scores and logits, and every forward sees the same ``cache_position`` and
+``position_ids``.
 """
 
 from __future__ import annotations
 
 from overlay import report
-from overlay.patch import Patch, Target, wraps
+from overlay.patch import Patch, Target, Variant, wraps
 
 PATCH_ID = "chunked-prefill"
 MODULE = "transformers.generation.utils"
 QUALNAME = "GenerationMixin._prefill"
+#: The chunked prefill of 4.55.0 - 4.57.x (5.0.0rc1 folded it into ``_prefill``).
+CHUNKING_QUALNAME = "GenerationMixin._prefill_chunking"
 
 #: What ``overlay.report`` counts, one per ``generate()`` call that needed it.
 CORRECTED_POSITION = "decoding continues at the prompt length after a chunked prefill"
 DEFAULT_CACHE = "let the model build its default cache for a chunked prefill"
 OWN_POSITION_IDS = "each chunk derives its own position ids"
+MASK_POSITION_IDS = "each chunk's position ids follow its rows' attention mask (left padding)"
+
+# The stock text (4.55.0 - 5.2.0): the same ValueError where the release raises it.
+_NO_CACHE = "Cannot use prefill chunking without a cache"
+# The releases set this before chunking: flex attention is compiled even when the forward is not,
+# and chunks of other lengths need more graphs than dynamo's default of 8.
+_DYNAMO_CACHE_SIZE_LIMIT = 64
+
+
+def _prefill_in_chunks(model, prompt, generation_config, model_kwargs, eager_forward):
+    """The chunk loop of 4.55.0 - 5.0.0rc2 (the same steps in the same order), except that a
+    chunk's position ids are left to ``prepare_inputs_for_generation``: it derives them from the
+    chunk's slice of the attention mask, as it does for an unchunked prefill. The originals set
+    ``arange(start, end)`` for every row there, which ignores left padding. Position ids the
+    caller passed are sliced to the chunk instead (the originals overwrote them). Updates
+    ``model_kwargs`` as the originals do (attention mask back, ``cache_position`` one past the
+    last chunk, no ``position_ids``) and returns the last chunk's outputs."""
+    import torch
+
+    torch._dynamo.config.cache_size_limit = _DYNAMO_CACHE_SIZE_LIMIT
+    chunks = torch.split(prompt, generation_config.prefill_chunk_size, dim=-1)
+    if "past_key_values" not in model_kwargs:
+        raise ValueError(_NO_CACHE)
+    forward = eager_forward
+    if model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        forward = model.get_compiled_call(generation_config.compile_config)
+
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    given_position_ids = model_kwargs.pop("position_ids", None)
+    if attention_mask is not None and given_position_ids is None:
+        report.record_outside_compile(PATCH_ID, MASK_POSITION_IDS)
+    outputs = None
+    start = 0
+    for chunk in chunks:
+        end = start + chunk.shape[-1]
+        if attention_mask is not None:
+            model_kwargs["attention_mask"] = attention_mask[:, :end]
+        model_kwargs["cache_position"] = torch.arange(start, end, dtype=torch.long, device=chunk.device)
+        if given_position_ids is not None:
+            model_kwargs["position_ids"] = given_position_ids[..., start:end]
+        outputs = forward(**model.prepare_inputs_for_generation(chunk, **model_kwargs), return_dict=True)
+        model_kwargs["past_key_values"] = outputs.past_key_values
+        start = end
+
+    model_kwargs["attention_mask"] = attention_mask
+    model_kwargs["cache_position"] = model_kwargs["cache_position"][-1:] + 1
+    model_kwargs.pop("position_ids", None)
+    return outputs
+
+
+def _replace_prefill_chunking(original, variant):
+    # 4.55.0 - 4.57.x: called as model_kwargs = self._prefill_chunking(input_ids, generation_config,
+    # **model_kwargs) by _sample only (beam search ignores prefill_chunk_size there). The wrong
+    # position ids are set inside the loop, between a chunk's slicing and its forward: no wrapper
+    # reaches them, so the loop is re-implemented (_prefill_in_chunks), nothing else.
+
+    @wraps(original)
+    def _prefill_chunking(self, input_ids, generation_config, **model_kwargs):
+        # The last prompt token is left to the decoding loop, as in the original; its forward is
+        # the bound forward (no hooks), as in the original.
+        _prefill_in_chunks(self, input_ids[:, :-1], generation_config, model_kwargs, self.forward)
+        return model_kwargs
+
+    return _prefill_chunking
 
 
 def _replace_prefill(original, variant):
     # Every original (5.0.0rc1 - 5.2.0) takes (self, input_ids, generation_config, model_kwargs)
     # and updates model_kwargs in place: the callers (_sample, _beam_search) read it afterwards.
+    chunks_ignore_padding = variant["chunks_ignore_padding"]
 
     @wraps(original)
     def _prefill(self, input_ids, generation_config, model_kwargs):
@@ -134,7 +242,10 @@ def _replace_prefill(original, variant):
             del model_kwargs["position_ids"]
             report.record_outside_compile(PATCH_ID, OWN_POSITION_IDS)
 
-        outputs = original(self, input_ids, generation_config, model_kwargs)
+        if chunks_ignore_padding:  # 5.0.0rc1 - rc2: the chunked branch is this loop, but for the ids
+            outputs = _prefill_in_chunks(self, input_ids, generation_config, model_kwargs, self.__call__)
+        else:
+            outputs = original(self, input_ids, generation_config, model_kwargs)
 
         if positions is not None:
             model_kwargs["position_ids"] = positions  # the original dropped them
@@ -149,32 +260,49 @@ def _replace_prefill(original, variant):
     return _prefill
 
 
+#: 5.0.0rc1 - rc2 give every chunk ``arange`` position ids whatever the padding (issue 43082);
+#: 5.0.0rc3 removed that line (and ships 5.0.0's ``_prefill``).
+CHUNKS_IGNORE_PADDING = {"chunks_ignore_padding": True}
+CHUNKS_FOLLOW_PADDING = {"chunks_ignore_padding": False}
+
 PATCH = Patch(
     id=PATCH_ID,
-    title="Chunked prefill (prefill_chunk_size) continues decoding at the prompt length and gives "
-    "each chunk its own position ids; on 5.0.0 it works with the default cache",
+    title="Chunked prefill (prefill_chunk_size) gives every chunk its own position ids, left padding "
+    "included, and continues decoding at the prompt length; on 5.0.0 it works with the default cache",
     errors=(
         "IndexError: index_copy_(): index 20 is out of bounds for dimension 2 with size 20",
         "ValueError: Cannot use prefill chunking without a cache",
     ),
     why=(
-        "GenerationMixin._prefill's chunked branch leaves cache_position one past the prompt although "
-        "the whole prompt is cached, so every decoding step writes and reads one position late (and on "
-        "5.2.0 hands every chunk the whole prompt's position_ids); 5.0.0 prepares no cache for the "
-        "default cache_implementation, which the chunked branch requires."
+        "Up to 5.0.0rc2 the chunked prefill gives every row of every chunk position ids counted from 0, "
+        "ignoring left padding; from 5.0.0rc1 GenerationMixin._prefill's chunked branch also leaves "
+        "cache_position one past the prompt although the whole prompt is cached, so every decoding step "
+        "writes and reads one position late (and on 5.2.0 hands every chunk the whole prompt's "
+        "position_ids); 5.0.0 prepares no cache for the default cache_implementation, which the chunked "
+        "branch requires."
     ),
-    upstream="fixed in transformers 5.3.0 (GenerationMixin._prefill's chunked branch); "
+    upstream="fixed in transformers 5.3.0 (GenerationMixin._prefill's chunked branch); the chunks' "
+    "position ids with left padding since 5.0.0rc3 (huggingface/transformers#43132, issue #43082); "
     "the default cache since 5.1.0 (GenerationMixin._prepare_cache_for_generation)",
-    affected=">=5.0.0rc1,<5.3.0",
+    affected=">=4.55.0,<5.3.0",
     fixed_in="5.3.0",
     targets=(
         Target(
             module=MODULE,
+            qualname=CHUNKING_QUALNAME,
+            originals={
+                "7193ef1b77e823ed4cb7ec0f15b3450e451dd98b2a9d17882d9fac501925c900": "4.55.0-4.57.6",
+            },
+            replace=_replace_prefill_chunking,
+            optional=True,  # 5.0.0rc1 on: the chunked branch of _prefill
+        ),
+        Target(
+            module=MODULE,
             qualname=QUALNAME,
             originals={
-                "d83cb1b122c03fc1c8cef69d560cf39fd0f351d80962dd6718543de6818e8c4d": "5.0.0rc1",
-                "b707380b50e3a28934ccd3aa25deeccc94d039ecd0cc2072e1e34711210e9d02": "5.0.0rc2",
-                "120418c312183b2f5eb6f584d178e3ed01b664745e3d3ab78bdd678c987e6dfd": "5.0.0-5.2.0",
+                "d83cb1b122c03fc1c8cef69d560cf39fd0f351d80962dd6718543de6818e8c4d": Variant("5.0.0rc1", CHUNKS_IGNORE_PADDING),
+                "b707380b50e3a28934ccd3aa25deeccc94d039ecd0cc2072e1e34711210e9d02": Variant("5.0.0rc2", CHUNKS_IGNORE_PADDING),
+                "120418c312183b2f5eb6f584d178e3ed01b664745e3d3ab78bdd678c987e6dfd": Variant("5.0.0-5.2.0", CHUNKS_FOLLOW_PADDING),
             },
             fixed={
                 "e57d715714b4e4e4a7ea755e3f5179e9acb84b8576db595696650cbd41e4120d": "5.3.0",
@@ -187,6 +315,7 @@ PATCH = Patch(
                 "9d1f5580881190bc79e2ec86119ede0452d60726a5a76593d341b5bdef491776": "5.24.0",
             },
             replace=_replace_prefill,
+            optional=True,  # before 5.0.0rc1: _prefill_chunking
         ),
     ),
     doctor=("chunked-prefill",),

@@ -319,3 +319,190 @@ def cache_of_layers(layers: Sequence[Any]):
     cache.layers[:] = list(layers)
     cache.layer_classes = [type(layer) for layer in layers]
     return cache
+
+
+# -- GPT-2: learned absolute position embeddings ------------------------------------------------
+# Not one of KINDS: no KV head count, no layer types, its own config names. The architecture whose
+# outputs show a wrong position most plainly (a position is an embedding added to the token's, no
+# rotary angle that cancels between query and key).
+
+#: The shared size names of :func:`tiny_config` -> GPT2Config's.
+_GPT2_NAMES = {
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "intermediate_size": "n_inner",
+    "max_position_embeddings": "n_positions",
+}
+
+
+def tiny_gpt2_config(
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 256,
+    **overrides: Any,
+):
+    """A ``GPT2Config`` with :func:`tiny_config`'s sizes and special ids, under the shared names
+    (mapped onto ``n_embd``, ``n_layer``, ``n_head``, ``n_inner``, ``n_positions``); ``overrides``
+    are passed as they are (GPT-2's own names, ``initializer_range``...)."""
+    import transformers
+
+    sizes = dict(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    kwargs: dict[str, Any] = {_GPT2_NAMES[name]: value for name, value in sizes.items()}
+    kwargs.update(
+        vocab_size=vocab_size, pad_token_id=PAD_TOKEN_ID, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID
+    )
+    kwargs.update(overrides)
+    return transformers.GPT2Config(**kwargs)
+
+
+def tiny_gpt2(
+    dtype: "torch.dtype | str | None" = None,
+    device: "torch.device | str" = "cpu",
+    attn_implementation: str | None = "sdpa",
+    *,
+    seed: int = 0,
+    **config_overrides: Any,
+):
+    """A randomly initialised tiny ``GPT2LMHeadModel`` from :func:`tiny_gpt2_config`
+    (``config_overrides`` go there), built as :func:`tiny_model` builds the other kinds: float32
+    weights from ``seed``, then cast and moved, eval mode, greedy, pad id :data:`PAD_TOKEN_ID`."""
+    import torch
+    import transformers
+
+    config = tiny_gpt2_config(**config_overrides)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(config)
+    model.to(dtype=dtype or torch.float32)
+    model.to(device)
+    model.eval()
+    model.generation_config.do_sample = False
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model
+
+
+# -- configs whose layers differ in head size or KV heads (Gemma 4 and its relatives) -------------
+# Not among KINDS: their configs take Gemma 4's own names (`global_head_dim`,
+# `num_global_key_value_heads`, per-layer inputs), and which of them exist depends on the release.
+# From 5.15.0 their configs are heterogeneous (transformers' `integrations/heterogeneity`:
+# `per_layer_config`); before, the same layers differ through the two global attributes.
+
+#: Tiny heterogeneous kinds -> (configuration class, model class, text configuration class or
+#: ``None`` when the configuration is the text one), by attribute name on the transformers package.
+_HETEROGENEOUS_CLASSES = {
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", None),
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", "Gemma4TextConfig"),
+    "gemma4_unified_text": ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", None),
+    "gemma4_unified": ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration", "Gemma4UnifiedTextConfig"),
+    "step3p7": ("Step3p7Config", "Step3p7ForConditionalGeneration", "Step3p7TextConfig"),
+}
+#: Every kind :func:`tiny_heterogeneous_config` knows (whether or not the installed release has it).
+HETEROGENEOUS_KINDS = tuple(_HETEROGENEOUS_CLASSES)
+
+
+def heterogeneous_kinds_installed() -> tuple[str, ...]:
+    """The kinds of :data:`HETEROGENEOUS_KINDS` whose classes the installed transformers ships."""
+    import transformers
+
+    return tuple(
+        kind
+        for kind, names in _HETEROGENEOUS_CLASSES.items()
+        if all(name is None or hasattr(transformers, name) for name in names)
+    )
+
+
+def tiny_heterogeneous_config(kind: str, *, kv_heads_per_layer: bool = False, **text_overrides: Any):
+    """A tiny config of ``kind`` (one of :data:`HETEROGENEOUS_KINDS`) whose layers differ.
+
+    The Gemma 4 kinds: hidden 32, 6 layers (full attention in the last one only), 4 query and 2
+    KV heads of 8; the full-attention layers' heads are 16 wide (``global_head_dim``) and, with
+    ``kv_heads_per_layer`` (``attention_k_eq_v``), 1 KV head (``num_global_key_value_heads``).
+    ``step3p7``: the same sizes, sliding and full layers alternating, the sliding layers with 2
+    query heads instead of 4 (``num_sliding_attention_heads``; its KV heads and head size are the
+    same in every layer), a 1-layer vision tower. The multimodal kinds have their text config
+    inside (``text_overrides`` go there); the Gemma 4 ones no vision or audio tower. No end of
+    sequence token: every greedy run generates all the tokens it is asked for.
+    """
+    import transformers
+
+    if kind not in _HETEROGENEOUS_CLASSES:
+        raise ValueError(f"unknown heterogeneous kind {kind!r}; known: {', '.join(HETEROGENEOUS_KINDS)}")
+    config_name, _, text_config_name = _HETEROGENEOUS_CLASSES[kind]
+    missing = [name for name in (config_name, text_config_name) if name and not hasattr(transformers, name)]
+    if missing:
+        raise ValueError(f"transformers {transformers.__version__} has no {', '.join(missing)}: kind {kind!r} needs it")
+    text: dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=None,
+    )
+    if kind == "step3p7":
+        text.update(
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(6)],
+            sliding_window=4,
+            num_sliding_attention_heads=2,
+            mlp_layer_types=["dense"] * 6,
+            moe_intermediate_size=16,
+            share_expert_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+        )
+    else:
+        text.update(
+            sliding_window=4,
+            global_head_dim=16,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=kv_heads_per_layer,
+            tie_word_embeddings=True,
+        )
+        if kind in ("gemma4_text", "gemma4"):
+            # Gemma 4's per-layer input embeddings (Gemma 4 Unified has none), kept tiny.
+            text.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=128)
+    text.update(text_overrides)
+    if text_config_name is None:
+        return getattr(transformers, config_name)(**text)
+    text_config = getattr(transformers, text_config_name)(**text)
+    if kind == "step3p7":
+        vision = transformers.Step3p7VisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+        return transformers.Step3p7Config(text_config=text_config, vision_config=vision)
+    return getattr(transformers, config_name)(text_config=text_config)
+
+
+def tiny_heterogeneous_model(kind: str, *, seed: int = 0, attn_implementation: str | None = "sdpa", **config_options: Any):
+    """A randomly initialised float32 model of :func:`tiny_heterogeneous_config` (``config_options``
+    go there) on the CPU, built as :func:`tiny_model` builds the other kinds: weights from
+    ``seed``, eval mode, greedy, pad id :data:`PAD_TOKEN_ID`."""
+    import torch
+    import transformers
+
+    config = tiny_heterogeneous_config(kind, **config_options)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = getattr(transformers, _HETEROGENEOUS_CLASSES[kind][1])(config)
+    model.eval()
+    model.generation_config.do_sample = False
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model
