@@ -1,4 +1,5 @@
-"""Static cache under tensor parallelism: divide KV heads by ``tp_size`` only when attention is sharded.
+"""Static cache with ``prefill_chunk_size``: divide KV heads by ``tp_size`` only when attention is sharded,
+and size each layer of a heterogeneous config (Gemma 4) on its own.
 
 ``GenerationMixin._get_static_cache_init_shape`` (transformers 5.13.0 - 5.19.0) gives the head
 count a ``StaticCache`` is eagerly allocated with when ``generate(cache_implementation="static",
@@ -12,7 +13,8 @@ The replacement decides from the model's effective plan (``model.tp_plan``, the 
 ``from_pretrained`` sharded the model with) and then lets the release's own function compute the
 shape, so everything else each variant does stays exactly as shipped: the device-map check, the
 MLA check, per-layer head counts (5.18+), the uneven-heads fallback to lazy initialisation
-(``None``) and the return types.
+(``None``) and the return types. (Models whose layers differ in head size, below, are the one
+case where the release's own function cannot compute it before 5.18.0.)
 
 transformers 5.16.0 - 5.16.1 slip the other way: they never assign ``model._tp_size`` when they
 shard a model, so their own function never divides, and a ``colwise`` key projection (Llama's own
@@ -21,6 +23,47 @@ slice shapes``. There the replacement reads the tensor-parallel size the model w
 (:func:`sharded_tp_size`: ``model._device_mesh`` is set and ``model.config.distributed_config``
 holds the size, exactly what 5.17.0 copies into ``_tp_size``) and lets the original divide by it,
 for ``colwise`` plans only; plans that keep every head are already right there.
+
+Layers that differ in head size or KV heads (Gemma 4), 5.13.0 - 5.17.0: a second bug in the same
+function, fixed upstream in 5.18.0 (huggingface/transformers issue 48501, pull request 48619, which
+sizes the cache per layer). The function of 5.13.0 - 5.17.0 reads one head size and one KV head
+count for every layer (the variant's ``global_head_shapes``), but the full-attention layers of
+Gemma 4 and Gemma 4 Unified use ``global_head_dim`` (512 where the sliding layers use 256, in the
+configs' defaults) and, with ``attention_k_eq_v``, ``num_global_key_value_heads``. So the first
+``generate(cache_implementation="static", prefill_chunk_size=N)`` of such a model fails, with or
+without tensor parallelism, in one of two ways:
+
+- 5.13.0 - 5.14.x keep those two as plain config attributes: the cache is allocated with the
+  sliding layers' shape for every layer and the first write to a full-attention layer fails with
+  ``index_copy_(): Source/destination tensor must have same slice shapes``. (A later call works
+  only by chance: these releases keep the static cache on the model, and a cache a call without
+  ``prefill_chunk_size`` allocated from the real keys is reused.)
+- 5.15.0 - 5.17.0 make the config heterogeneous (``integrations/heterogeneity``, 5.14.0 on: the
+  full-attention layers' ``per_layer_config`` sets ``head_dim`` and ``num_key_value_heads``), and
+  reading a per-layer attribute from the global config raises
+  ``AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer attribute and may vary across layers``.
+
+For such a config the replacement sizes the cache as 5.18.0 does (:func:`per_layer_head_shapes`):
+a list with one value per layer for each of ``head_dim`` and ``num_key_value_heads`` that differs
+between layers, the global value for the other, over the layers with a cache layer of their own
+(the last ``num_kv_shared_layers`` reuse another layer's keys and values, and ``StaticCache`` leaves
+them out). On 5.15+ the layers' values come from ``per_layer_config``; on 5.13 - 5.14 from the
+two Gemma 4 attributes, read as those releases' Gemma 4 attention layers read them (the values
+5.15.0's Gemma 4 config writes into ``per_layer_config``). The release's two checks come first (no
+eager cache across several devices, none for MLA models); then the heads are divided as below, for
+each layer, and where a layer's count does not divide evenly the cache is allocated lazily
+(``None``), as 5.18.0 does. Every other config, and every config on 5.18.0 - 5.19.0 (whose own
+function reads per-layer shapes), goes to the release's function as before. The cost, once per
+``generate()`` with ``prefill_chunk_size``: one read of ``per_layer_attributes`` (or of
+``global_head_dim``) for every model, and for these models one shallow copy of the config per
+layer (what ``per_layer_config[i]`` returns) where upstream's function makes the same.
+
+Heterogeneous configs that vary other attributes keep one head size and KV head count, which
+stock reads right: Step3p7 (``num_attention_heads`` of its sliding layers, 5.16.0 on), NeoMME
+(``sliding_window``, 5.17.0 on). NeoMME cannot generate, and DiffusionGemma's own ``generate``
+never allocates its static cache eagerly, so neither reaches this function. 5.14.x ship no model
+that builds its layers from ``per_layer_config``: there only a model of the user's own meets the
+heterogeneous form.
 
 Which plans divide the KV heads, and why. A rank's cache must hold the heads that the rank's
 key projection outputs. The overlay reads the model's effective plan, ``model.tp_plan``: the plan
@@ -42,7 +85,9 @@ If any key projection is ``colwise``, the heads are divided (as upstream's fix d
 the release's function does (no eager cache when layers sit on several devices, none for MLA
 models, per-layer head counts, the return types of each release) is kept: the overlay decides from
 the plan and then lets the installed release's own function compute the shape, with tensor
-parallelism hidden from it when the heads are whole. Without tensor parallelism nothing changes.
+parallelism hidden from it when the heads are whole (for layers that differ in head size before
+5.18.0 it applies the same division to the per-layer shapes itself). Without tensor parallelism
+nothing changes but those per-layer shapes.
 
 Unit sharding (``unit_colwise`` / ``colwise_units``). Upstream is proposing a style that shards
 ``unit_number × unit_dim`` outputs by whole units (heads), so no rank is left with a partial or empty
@@ -71,6 +116,10 @@ from overlay.patch import Patch, Target, Variant, wraps
 PATCH_ID = "static-cache-tp-heads"
 
 logger = logging.getLogger("overlay")
+
+#: The head attributes that size a layer's cache and that a heterogeneous config may set per layer:
+#: the ones 5.18.0 reads per layer (``configuration_utils.get_head_shapes``).
+PER_LAYER_HEAD_ATTRIBUTES = ("head_dim", "num_key_value_heads")
 
 #: Modules whose output holds the attention keys, fused or not (matched as the plan key's last part).
 KEY_PROJECTIONS = frozenset({"k_proj", "qkv_proj", "query_key_value"})
@@ -175,46 +224,159 @@ def _effective_tp_plan(model: Any) -> Mapping[str, Any]:
     return plan if plan is not None else {}
 
 
+def kv_heads_divisor(model: Any) -> tuple[int, int]:
+    """``(what each rank's keys hold the heads divided by, what the release's own code divides by)``.
+
+    The second is ``model._tp_size`` (1 without it). The first follows the plan: every head
+    (1) when no key projection is sharded by head, the size the model was sharded with when one is
+    ``colwise`` (on 5.16.x too, where ``_tp_size`` is never recorded), and the release's own
+    divisor without tensor parallelism or for a style this patch does not know (not guessed).
+    """
+    recorded = getattr(model, "_tp_size", None) or 1
+    tp_size = recorded if recorded > 1 else sharded_tp_size(model)
+    if tp_size > 1:
+        sharding = kv_heads_sharding(_effective_tp_plan(model))
+        if sharding == "full":
+            return 1, recorded
+        if sharding == "sharded":
+            return tp_size, recorded
+    return recorded, recorded
+
+
+def _values_per_layer(text_config: Any) -> dict[str, Callable[[int], Any]]:
+    """``{attribute: layer index -> value}`` for those of :data:`PER_LAYER_HEAD_ATTRIBUTES` that
+    differ between the config's layers (empty when none does)."""
+    per_layer = getattr(text_config, "per_layer_attributes", None)
+    if per_layer:
+        # A heterogeneous config (5.14.0 on; Gemma 4 from 5.15.0): each layer's own config.
+        view = text_config.per_layer_config
+        return {name: (lambda i, name=name: getattr(view[i], name)) for name in PER_LAYER_HEAD_ATTRIBUTES if name in per_layer}
+    global_head_dim = getattr(text_config, "global_head_dim", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if not global_head_dim or not layer_types:
+        return {}
+    # Gemma 4's own attributes (5.13.0 - 5.14.x): a layer that is not sliding takes
+    # `global_head_dim` and, with `attention_k_eq_v`, `num_global_key_value_heads`; read as those
+    # releases' Gemma 4 attention reads them, and written per layer from 5.15.0 on.
+    global_heads = getattr(text_config, "num_global_key_value_heads", None)
+    shared_kv = bool(getattr(text_config, "attention_k_eq_v", False)) and global_heads is not None
+    full = [i for i, kind in enumerate(layer_types) if kind != "sliding_attention"]
+    found: dict[str, Callable[[int], Any]] = {}
+    if full and global_head_dim != text_config.head_dim:
+        found["head_dim"] = lambda i: global_head_dim if layer_types[i] != "sliding_attention" else text_config.head_dim
+    if full and shared_kv and global_heads != text_config.num_key_value_heads:
+        found["num_key_value_heads"] = lambda i: (
+            global_heads if layer_types[i] != "sliding_attention" else text_config.num_key_value_heads
+        )
+    return found
+
+
+def per_layer_head_shapes(text_config: Any) -> tuple[int | list[int], int | list[int]] | None:
+    """``(KV heads, head size)`` for a config whose layers differ in them, as 5.18.0 sizes its
+    static cache (``configuration_utils.get_head_shapes``): one value per layer (a list) for an
+    attribute that differs between layers, the global value for the other. The layers are those
+    with a cache layer of their own: the last ``num_kv_shared_layers`` reuse another layer's keys
+    and values. ``None`` when every layer has the same head size and KV head count: the release's
+    function reads them right.
+    """
+    varying = _values_per_layer(text_config)
+    if not varying:
+        return None
+    layers = range(text_config.num_hidden_layers - (getattr(text_config, "num_kv_shared_layers", 0) or 0))
+    if "head_dim" in varying:
+        head_dim: int | list[int] = [varying["head_dim"](i) for i in layers]
+    else:
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    if "num_key_value_heads" in varying:
+        heads: int | list[int] = [varying["num_key_value_heads"](i) for i in layers]
+    else:
+        heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    return heads, head_dim
+
+
+def _per_layer_init_shape(model: Any, text_config: Any, shapes: tuple, divide_by: int):
+    # The release's own checks first (they come before any head read in its function): no eager
+    # cache when the layers sit on several devices, none for MLA models (distinct key and value sizes).
+    if hasattr(model, "hf_device_map") and len(set(model.hf_device_map.values())) > 1:
+        return None
+    if getattr(text_config, "qk_head_dim", None) is not None:
+        return None
+    heads, head_dim = shapes
+    # Slow path: the release's function raises here (5.15+) or sizes every layer alike (5.13 - 5.14).
+    varying = " and ".join(name for name, value in (("head_dim", head_dim), ("KV heads", heads)) if isinstance(value, list))
+    report.record_outside_compile(PATCH_ID, f"sized the static cache per layer (per-layer {varying})")
+    if divide_by > 1:
+        layer_heads = [heads] if isinstance(heads, int) else heads
+        if any(count % divide_by for count in layer_heads):
+            return None  # a layer cannot be sharded evenly by head: lazy initialisation, as 5.18.0
+        # A scalar stays a scalar: early_initialization broadcasts it to every layer.
+        heads = heads // divide_by if isinstance(heads, int) else [count // divide_by for count in heads]
+    return heads, head_dim
+
+
 def make_replacement(original: Callable[..., Any], variant: Variant) -> Callable[..., Any]:
+    # 5.13.0-5.17.0 read one head count and one head size for every layer: Gemma 4's full-attention
+    # layers get the sliding layers' shape (5.13-5.14), or the read raises on its heterogeneous
+    # config (5.15-5.17). 5.18.0 on read them per layer.
+    global_head_shapes = variant["global_head_shapes"]
+
     @wraps(original)
     def _get_static_cache_init_shape(self):
-        recorded = getattr(self, "_tp_size", None) or 1
-        tp_size = recorded if recorded > 1 else sharded_tp_size(self)
-        if tp_size > 1:
-            sharding = kv_heads_sharding(_effective_tp_plan(self))
-            if sharding == "full":
-                shape = original(_AsIfTpSize(self, None))
-                if recorded > 1 and shape is not None:
-                    # Slow path: the original would have divided heads that every rank holds.
-                    report.record_outside_compile(PATCH_ID, f"kept {shape[0]} KV heads per rank (plan leaves k_proj unsharded)")
-                return shape
-            if sharding == "sharded" and recorded <= 1:
-                # 5.16.x: sharded by head, but the release never recorded tp_size, so its own code
-                # would allocate every head. Divide by the size the model was sharded with.
-                shape = original(_AsIfTpSize(self, tp_size))
-                report.record_outside_compile(PATCH_ID, f"divided KV heads by the tensor-parallel size {tp_size} (k_proj sharded colwise)")
-                return shape
-        # Sharded by head with tp_size recorded: the original divides (each layer's count; None
-        # when uneven), which is right. Unknown style: the original's behaviour, unguessed.
-        return original(self)
+        divide_by, recorded = kv_heads_divisor(self)
+        if global_head_shapes:
+            text_config = self.config.get_text_config(decoder=True)
+            shapes = per_layer_head_shapes(text_config)
+            if shapes is not None:
+                return _per_layer_init_shape(self, text_config, shapes, divide_by)
+        if divide_by == recorded:
+            # Sharded by head with tp_size recorded: the original divides (each layer's count on
+            # 5.18+; None when uneven), which is right. No tensor parallelism, or an unknown style:
+            # the original's behaviour, unguessed.
+            return original(self)
+        shape = original(_AsIfTpSize(self, divide_by if divide_by > 1 else None))
+        if divide_by == 1:
+            if shape is not None:
+                # Slow path: the original would have divided heads that every rank holds.
+                report.record_outside_compile(PATCH_ID, f"kept {shape[0]} KV heads per rank (plan leaves k_proj unsharded)")
+        else:
+            # 5.16.x: sharded by head, but the release never recorded tp_size, so its own code
+            # would allocate every head. Divide by the size the model was sharded with.
+            report.record_outside_compile(PATCH_ID, f"divided KV heads by the tensor-parallel size {divide_by} (k_proj sharded colwise)")
+        return shape
 
     return _get_static_cache_init_shape
 
 
+#: The release's function reads one head count and one head size for every layer.
+GLOBAL_HEAD_SHAPES = {"global_head_shapes": True}
+#: The release's function reads each layer's head count and head size (5.18.0 on).
+PER_LAYER_HEAD_SHAPES = {"global_head_shapes": False}
+
 
 PATCH = Patch(
     id=PATCH_ID,
-    title="Static cache under tensor parallelism divides KV heads by tp_size only when k_proj is sharded colwise",
+    title=(
+        "Static cache under tensor parallelism divides KV heads by tp_size only when k_proj is sharded colwise; "
+        "configs whose layers differ (Gemma 4) get per-layer shapes"
+    ),
     errors=(
         "RuntimeError: index_copy_(): Source/destination tensor must have same slice shapes.",
         "ValueError: Incompatible shapes for broadcasting",
+        # 5.15.0 - 5.17.0, Gemma 4 (its layers differ in head size, and with attention_k_eq_v in KV heads).
+        "AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer attribute and may vary across layers.",
+        "AmbiguousGlobalPerLayerAttributeError: 'num_key_value_heads' is a per-layer attribute and may vary across layers.",
     ),
     why=(
         "With prefill_chunk_size, generate() sizes the eagerly allocated static cache from the model's "
         "_tp_size alone, not from the tensor parallel plan, so its KV heads can differ from those each "
-        "rank's keys hold."
+        "rank's keys hold; before 5.18.0 it reads one global head size and KV head count, which configs "
+        "whose layers differ (Gemma 4) refuse to give."
     ),
-    upstream="fixed in transformers 5.20.0 (distributed.tensor_parallel.get_kv_heads_per_rank)",
+    upstream=(
+        "fixed in transformers 5.20.0 (distributed.tensor_parallel.get_kv_heads_per_rank); "
+        "layers that differ in head size or KV heads (Gemma 4) since 5.18.0 "
+        "(GenerationMixin._get_static_cache_init_shape reads configuration_utils.get_head_shapes)"
+    ),
     affected=">=5.13.0,<5.20.0",
     fixed_in="5.20.0",
     targets=(
@@ -222,9 +384,9 @@ PATCH = Patch(
             module="transformers.generation.utils",
             qualname="GenerationMixin._get_static_cache_init_shape",
             originals={
-                "e16a197f8cf9c49d0bfe801006374b4746e8cd46e7fd83ce6167fc3ba9e70a5a": "5.13.0-5.17.0",
-                "8c3b2a0d2b880fe84ad06bca8159bc6eedc3a0c0407dc46f7d927f13b52ade18": "5.18.0",
-                "047200716efdb3d06748c4426a6b3a3b8e8e52bf2fb04d8142c3b7acfdd5f73e": "5.19.0",
+                "e16a197f8cf9c49d0bfe801006374b4746e8cd46e7fd83ce6167fc3ba9e70a5a": Variant("5.13.0-5.17.0", GLOBAL_HEAD_SHAPES),
+                "8c3b2a0d2b880fe84ad06bca8159bc6eedc3a0c0407dc46f7d927f13b52ade18": Variant("5.18.0", PER_LAYER_HEAD_SHAPES),
+                "047200716efdb3d06748c4426a6b3a3b8e8e52bf2fb04d8142c3b7acfdd5f73e": Variant("5.19.0", PER_LAYER_HEAD_SHAPES),
             },
             fixed={
                 "8ba958316e420772e268d02be4e80070649299499b239395a40b8a16c60bdeff": "5.20.0-5.22.2",
@@ -233,5 +395,5 @@ PATCH = Patch(
             replace=make_replacement,
         ),
     ),
-    doctor=("tp-prefill-chunk",),
+    doctor=("tp-prefill-chunk", "gemma4-prefill-chunk"),
 )

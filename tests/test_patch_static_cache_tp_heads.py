@@ -32,7 +32,7 @@ from packaging.version import Version
 
 from overlay.patch import PATCH_MARKER, Variant, fingerprint
 from overlay.testing.harness import PatchUnderTest
-from overlay.testing.models import greedy_ids, save_tiny_model, tiny_config
+from overlay.testing.models import greedy_ids, save_tiny_model, tiny_config, tiny_heterogeneous_config, tiny_heterogeneous_model
 from overlay.testing.tensor_parallel import ATTENTION_COLWISE, ATTENTION_GATHERED, MLP
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -49,8 +49,10 @@ TRANSFORMERS_VERSION = PATCH_UNDER_TEST.transformers
 
 def _by_hand(original):
     """The replacement around ``original``: the installed release's own code, which on 5.20.0+ is
-    upstream's fix (no variant names it; the tests show the wrapper changes nothing there)."""
-    return TARGET.build(original, otherwise=Variant("installed code, wrapped by hand"))
+    upstream's fix (no variant names it; the tests show the wrapper changes nothing there; like
+    5.18.0's, it reads each layer's head shapes)."""
+    per_layer = PATCH_UNDER_TEST.patch_module.PER_LAYER_HEAD_SHAPES
+    return TARGET.build(original, otherwise=Variant("installed code, wrapped by hand", per_layer))
 
 AFFECTED = PATCH_UNDER_TEST.affected
 FIXED_UPSTREAM = PATCH_UNDER_TEST.fixed_upstream
@@ -220,11 +222,20 @@ PER_LAYER_CASES = {
 
 @pytest.mark.parametrize("case", list(PER_LAYER_CASES))
 def test_per_layer_head_counts(case):
-    if stock_variant() == SCALAR_HEADS_VARIANT:
-        pytest.skip(f"transformers {TRANSFORMERS_VERSION} sizes the static cache from one global head count")
+    """A config that sets the KV heads per layer (``per_layer_config``, 5.14.0 on): each layer's
+    count, divided per layer where the plan shards keys by head; on 5.13.0 - 5.17.0 the patch
+    gives what 5.18.0's own function gives."""
     plan, layer_heads, expected = PER_LAYER_CASES[case]
-    model = ShardedModelStandIn(tiny_text_config(per_layer_kv_heads=layer_heads), 2, plan)
-    assert _by_hand(stock_static_cache_init_shape())(model) == expected
+    config = tiny_text_config(per_layer_kv_heads=layer_heads)
+    model = ShardedModelStandIn(config, 2, plan)
+    replacement = _by_hand(stock_static_cache_init_shape())
+    if getattr(config, "per_layer_attributes", None) is None:
+        # 5.13.x: no heterogeneous configs (`per_layer_config` is a plain attribute there), every
+        # layer has the global count: the patch sizes the cache as for the same config without it.
+        assert stock_variant() == SCALAR_HEADS_VARIANT
+        assert replacement(model) == replacement(ShardedModelStandIn(tiny_text_config(), 2, plan)) is not None
+        return
+    assert replacement(model) == expected
 
 
 def test_other_checks_of_the_release_still_apply():
@@ -291,6 +302,86 @@ def test_fired_counter_counts_only_calls_that_changed_the_shape():
     assert report.fired_actions()[PATCH.id] == {"kept 4 KV heads per rank (plan leaves k_proj unsharded)": 1}
 
 
+# -- Gemma 4: head size and KV heads per layer type -------------------------------------------------
+# Sliding layers: 2 KV heads of 8; full-attention layers (the last of 6): 16 wide, and with
+# attention_k_eq_v 1 KV head. Up to 5.17.0 the release's function reads one shape for all layers
+# (wrong on 5.13 - 5.14, raising on 5.15 - 5.17); the patch gives what 5.18.0's gives, which on
+# 5.18.0 on is the release's own answer (the same expectations hold there, unpatched).
+HEAD_DIMS = [8, 8, 8, 8, 8, 16]
+GEMMA4_CASES = {
+    "no tensor parallelism": (False, None, {}, (2, HEAD_DIMS)),
+    "KV heads per layer, no tensor parallelism": (True, None, {}, ([2, 2, 2, 2, 2, 1], HEAD_DIMS)),
+    "k_proj colwise (Gemma 4's own plan): divided": (False, 2, {**ATTENTION_COLWISE, **MLP}, (1, HEAD_DIMS)),
+    "k_proj colwise, a layer with 1 KV head: lazy": (True, 2, {**ATTENTION_COLWISE, **MLP}, None),
+    "k_proj gathered: whole": (True, 2, {**ATTENTION_GATHERED, **MLP}, ([2, 2, 2, 2, 2, 1], HEAD_DIMS)),
+    "attention not in the plan: whole": (False, 2, dict(MLP), (2, HEAD_DIMS)),
+}
+
+
+def gemma4_text_config(kv_heads_per_layer=False, **extra):
+    if importlib.util.find_spec("transformers.models.gemma4") is None:
+        pytest.fail(f"transformers {TRANSFORMERS_VERSION} has no Gemma 4 (it ships from 5.13.0 on)")
+    config = tiny_heterogeneous_config("gemma4_text", kv_heads_per_layer=kv_heads_per_layer)
+    for name, value in extra.items():
+        setattr(config, name, value)
+    return config
+
+
+@pytest.mark.parametrize("case", list(GEMMA4_CASES))
+def test_gemma4_layers_get_their_own_head_shapes(case):
+    kv_heads_per_layer, tp_size, plan, expected = GEMMA4_CASES[case]
+    model = ShardedModelStandIn(gemma4_text_config(kv_heads_per_layer), tp_size, plan)
+    assert _by_hand(stock_static_cache_init_shape())(model) == expected
+    if not (AFFECTED and stock_variant() == SCALAR_HEADS_VARIANT) and (tp_size is None or plan == {**ATTENTION_COLWISE, **MLP}):
+        # 5.18.0 on: the release's own per-layer shapes are these (the plans it divides right).
+        assert stock_static_cache_init_shape()(model) == expected
+
+
+def test_gemma4_stock_reads_one_shape_for_every_layer_up_to_5_17():
+    """The bug, on the stand-in: what stock gives for Gemma 4 on the releases of the variant."""
+    if stock_variant() != SCALAR_HEADS_VARIANT:
+        assert stock_static_cache_init_shape()(ShardedModelStandIn(gemma4_text_config(), None, {})) == (2, HEAD_DIMS)
+        return
+    model = ShardedModelStandIn(gemma4_text_config(), None, {})
+    if getattr(model.config, "per_layer_attributes", None):  # 5.15.0 on: a heterogeneous config
+        from transformers.integrations.heterogeneity import AmbiguousGlobalPerLayerAttributeError
+
+        with pytest.raises(AmbiguousGlobalPerLayerAttributeError, match=PATCH_UNDER_TEST.error("'head_dim'")[:40]):
+            stock_static_cache_init_shape()(model)
+    else:  # 5.13 - 5.14: the sliding layers' shape for every layer, the full-attention one too
+        assert stock_static_cache_init_shape()(model) == (2, 8)
+
+
+def test_gemma4_release_checks_still_apply():
+    replacement = _by_hand(stock_static_cache_init_shape())
+    spread = ShardedModelStandIn(gemma4_text_config(), None, {}, hf_device_map={"model.layers.0": 0, "lm_head": 1})
+    assert replacement(spread) is None
+    assert replacement(ShardedModelStandIn(gemma4_text_config(qk_head_dim=16), None, {})) is None
+
+
+def test_gemma4_tp_size_the_release_never_recorded():
+    from overlay import report
+
+    model = ShardedBy516StandIn(gemma4_text_config(), 2, {**ATTENTION_COLWISE, **MLP})
+    report.reset()
+    assert _by_hand(stock_static_cache_init_shape())(model) == (1, HEAD_DIMS)
+    # Sized per layer (5.13 - 5.17) or divided by the sharded size (5.18 on): one fix either way.
+    assert report.fired().get(PATCH.id, 0) == 1
+
+
+def test_gemma4_fired_once_per_call_that_sized_the_cache_per_layer():
+    from overlay import report
+
+    replacement = _by_hand(stock_static_cache_init_shape())
+    report.reset()
+    replacement(ShardedModelStandIn(gemma4_text_config(True), None, {}))
+    replacement(ShardedModelStandIn(tiny_text_config(), None, {}))  # layers alike: the original's answer
+    if AFFECTED and stock_variant() == SCALAR_HEADS_VARIANT:
+        assert report.fired_actions()[PATCH.id] == {"sized the static cache per layer (per-layer head_dim and KV heads)": 1}
+    else:
+        assert report.fired().get(PATCH.id, 0) == 0, "5.18.0 on size the cache per layer themselves"
+
+
 # -- two ranks on CPU ---------------------------------------------------------------------------
 
 PROMPT = [[5, 17, 33, 9, 101, 64, 2], [7, 7, 90, 45, 3, 12, 88]]
@@ -318,12 +409,26 @@ EXPECTED_LOCAL_ROWS = {
 }
 
 
+# Gemma 4 under its own plan (q/k/v colwise): layers whose head size differs (8 sliding, 16 full
+# attention), each rank holding 1 of the 2 KV heads of every layer. Stock sizes the cache from one
+# head size (5.13 - 5.14: the full-attention layer's write fails) or raises (5.15 - 5.17).
+HETEROGENEOUS_TP_CASE = "gemma4 own plan (k_proj colwise), head size per layer"
+HETEROGENEOUS_LOCAL_ROWS = {"self_attn.k_proj": 8, "mlp.gate_proj": 32}
+
+
 def build_tiny_models(directory: Path) -> dict[str, Path]:
     # Wide weights (initializer_range 0.5) give well-separated logits, so greedy picks do not
     # hinge on the last bit of a sum that tensor parallelism adds up in another order.
     shape = dict(hidden_size=32, intermediate_size=64, max_position_embeddings=64, initializer_range=0.5,
                  eos_token_id=None)
-    return {kind: Path(save_tiny_model(directory / kind, kind, **shape)) for kind in ("llama", "olmo2")}
+    dirs = {kind: Path(save_tiny_model(directory / kind, kind, **shape)) for kind in ("llama", "olmo2")}
+    if importlib.util.find_spec("transformers.models.gemma4") is not None:  # 5.13.0 on
+        dirs["gemma4"] = directory / "gemma4"
+        # Untied, as the other models: with tied embeddings 5.15.0's tensor-parallel Gemma 4 fails
+        # every run, the unchunked control too (IndexError in the token embedding).
+        gemma4 = tiny_heterogeneous_model("gemma4_text", initializer_range=0.5, tie_word_embeddings=False)
+        gemma4.save_pretrained(dirs["gemma4"])
+    return dirs
 
 
 def single_process_ids(model_dir: Path) -> list[list[int]]:
@@ -408,6 +513,8 @@ def tp_run(tmp_path_factory):
             for name, (model, plan) in TP_PLANS.items()
         ]
     }
+    if "gemma4" in model_dirs:
+        spec["cases"].append({**spec["cases"][0], "name": HETEROGENEOUS_TP_CASE, "model_dir": str(model_dirs["gemma4"]), "plan": None})
     ranks = run_ranks(workdir, spec)
     reference = {model: single_process_ids(path) for model, path in model_dirs.items()}
     return {"ranks": ranks, "reference": reference}
@@ -455,3 +562,38 @@ def test_chunked_static_generation_under_tensor_parallelism(plan_name, tp_run):
     assert patched["ids"] == runs["unchunked"]["ids"] == tp_run["reference"][model]
     # The patch counts exactly the runs it had to fix.
     assert (patched["fired"] > 0) == stock_fails, patched
+
+
+def test_layers_with_their_own_head_size_under_tensor_parallelism(tp_run):
+    from overlay.testing.models import heterogeneous_kinds_installed
+
+    assert "gemma4_text" in heterogeneous_kinds_installed(), f"transformers {TRANSFORMERS_VERSION} has no Gemma 4"
+    per_rank = [next(c for c in rank["cases"] if c["name"] == HETEROGENEOUS_TP_CASE) for rank in tp_run["ranks"]]
+    for case in per_rank:
+        assert case["tp_size"] == (WORLD_SIZE if TP_SIZE_RECORDED else None)
+        assert case["local_rows"] == HETEROGENEOUS_LOCAL_ROWS, case["effective_tp_plan"]
+        assert set(PATCH_MODULE.key_projection_styles(case["effective_tp_plan"]).values()) == {"colwise"}
+    first, second = per_rank
+    for run in ("unchunked", "chunked_stock", "chunked_patched"):
+        assert outcome(first["runs"][run]) == outcome(second["runs"][run]), f"ranks disagree on {run}"
+    runs = first["runs"]
+    assert outcome(runs["unchunked"]) == tp_run["reference"]["gemma4"], runs["unchunked"].get("error", {}).get("traceback")
+
+    stock = runs["chunked_stock"]
+    stock_fails = AFFECTED and stock_variant() == SCALAR_HEADS_VARIANT
+    if stock_fails and Version(TRANSFORMERS_VERSION.base_version) >= Version("5.15.0"):
+        # Gemma 4's config is heterogeneous there: the global head size cannot be read.
+        assert stock["error"]["type"] == "AmbiguousGlobalPerLayerAttributeError", stock["error"]
+        assert PATCH_UNDER_TEST.error("'head_dim' is a per-layer") in stock["error"]["message"]
+    elif stock_fails:
+        # 5.13 - 5.14: every layer allocated 8 wide; the full-attention layer writes 16.
+        assert stock["error"]["type"] == "RuntimeError", stock["error"]
+        assert INDEX_COPY_ERROR in stock["error"]["message"]
+    else:
+        assert stock.get("ids") == runs["unchunked"]["ids"], stock.get("error", {}).get("traceback")
+
+    patched = runs["chunked_patched"]
+    assert "ids" in patched, patched.get("error", {}).get("traceback")
+    assert patched["ids"] == runs["unchunked"]["ids"] == tp_run["reference"]["gemma4"]
+    # The patch fired where stock failed, and on 5.16.x, which never record tp_size, also to divide.
+    assert (patched["fired"] > 0) == (stock_fails or (AFFECTED and not TP_SIZE_RECORDED)), patched

@@ -58,6 +58,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         "tensor parallel, static cache, prefill_chunk_size, attention left unsharded",
         distributed=True,
     ),
+    Scenario(
+        "gemma4-prefill-chunk",
+        "Gemma 4 (layers with their own head size), static cache, prefill_chunk_size",
+    ),
 )
 
 BY_ID = {s.id: s for s in SCENARIOS}
@@ -316,8 +320,9 @@ PREFILL_CHUNK = 8
 
 def run_chunked_prefill(device, **_) -> list[dict]:
     """``generate(prefill_chunk_size=8)`` on a 17-token prompt (left-padded batch of two);
-    reference: the same call without ``prefill_chunk_size``. With a static cache the chunked
-    prefill of 5.0.0rc1 - 5.2.0 leaves decoding one position late and the last step writes past
+    reference: the same call without ``prefill_chunk_size``. On 4.55.0 - 5.0.0rc2 the chunk loop
+    embeds left-padded rows at wrong positions (other tokens, no error). With a static cache the
+    chunked prefill of 5.0.0rc1 - 5.2.0 leaves decoding one position late and the last step writes past
     the cache (``IndexError``); with the default cache 5.0.0 refuses to chunk (``ValueError``).
     No control case: every chunked prefill of those releases decodes one position late (5.2.0 also
     embeds the chunks at wrong positions), which only some models' tokens show. The fix:
@@ -420,6 +425,42 @@ def run_tp_prefill_chunk(device, *, workdir: str, world_size: int, **_) -> list[
     return cases
 
 
+GEMMA4_PROMPT_LENGTHS = (10, 7)  # a left-padded batch of two, three chunks of 4 for the longer
+GEMMA4_PREFILL_CHUNK = 4
+
+
+def run_gemma4_prefill_chunk(device, **_) -> list[dict]:
+    """Gemma 4, whose full-attention layers have wider heads than its sliding ones
+    (``global_head_dim``) and, with ``attention_k_eq_v``, fewer KV heads:
+    ``generate(cache_implementation='static', prefill_chunk_size=4)`` on a left-padded batch;
+    reference: the same call without ``prefill_chunk_size`` (the cache then takes each layer's
+    shape from its first keys). Up to 5.17.0 the eagerly allocated cache has one shape for every
+    layer: 5.13.0 - 5.14.x fail at the first full-attention write (``index_copy_``), 5.15.0 -
+    5.17.0 raise ``AmbiguousGlobalPerLayerAttributeError``. The fix: ``static-cache-tp-heads``
+    (upstream since 5.18.0)."""
+    from overlay.testing.models import left_padded_batch, on_device, tiny_heterogeneous_model, tiny_model
+
+    batch = on_device(left_padded_batch(GEMMA4_PROMPT_LENGTHS), device)
+    cases = []
+    for name, build, control in (
+        ("gemma4, head size per layer", lambda: tiny_heterogeneous_model("gemma4_text"), False),
+        ("gemma4, head size and KV heads per layer", lambda: tiny_heterogeneous_model("gemma4_text", kv_heads_per_layer=True), False),
+        ("llama, every layer alike (control)", lambda: tiny_model("llama"), True),
+    ):
+        model = build().to(device)
+        cases.append(
+            run_case(
+                name,
+                control,
+                reference=lambda model=model: _generate(model, batch, cache_implementation="static"),
+                under_test=lambda model=model: _generate(
+                    model, batch, cache_implementation="static", prefill_chunk_size=GEMMA4_PREFILL_CHUNK
+                ),
+            )
+        )
+    return cases
+
+
 #: Work a distributed scenario does in each rank before the process group is set up.
 PREPARERS: dict[str, Callable[..., None]] = {"tp-prefill-chunk": prepare_tp_prefill_chunk}
 
@@ -430,4 +471,5 @@ RUNNERS: dict[str, Callable[..., list[dict]]] = {
     "kept-static-cache": run_kept_static_cache,
     "chunked-prefill": run_chunked_prefill,
     "tp-prefill-chunk": run_tp_prefill_chunk,
+    "gemma4-prefill-chunk": run_gemma4_prefill_chunk,
 }
