@@ -46,13 +46,33 @@ class PostImportFinder:
         self._hooks = {}  # module name -> list of callables or "module:function" strings
         self._lock = _thread.allocate_lock()
         self._searching = _thread._local()  # per thread: the names this thread is searching for
+        # Modules executing through this finder now (name -> how many executions), and the names
+        # it has ever run to the end: what ``watch`` tells a caller about a module it finds in
+        # sys.modules, which may still be executing in another thread.
+        self._executing = {}
+        self._executed = set()
+        # Watched packages whose spec this finder handed out and whose execution and hooks have not
+        # finished (name -> spec): their hooks may watch submodules, so until then every submodule
+        # imported (in any thread) is wrapped too, and looks up its hooks only once it has executed.
+        self._open = {}
 
     def watch(self, name, hook):
-        """Run ``hook(module)`` each time module ``name`` executes (import or reload)."""
+        """Run ``hook(module)`` each time module ``name`` executes (import or reload).
+
+        Returns true when ``name`` is executing through this finder right now: ``hook`` then runs
+        once it has executed (in the thread that executes it). False otherwise: a module of that
+        name in ``sys.modules`` has then either executed to the end through this finder
+        (:meth:`executed`) or was imported without it."""
         with self._lock:
             hooks = self._hooks.setdefault(name, [])
             if hook not in hooks:
                 hooks.append(hook)
+            return name in self._executing
+
+    def executed(self, name):
+        """Whether module ``name`` has executed to the end through this finder (its body ran)."""
+        with self._lock:
+            return name in self._executed and name not in self._executing
 
     def unwatch(self, name, hook):
         with self._lock:
@@ -67,7 +87,7 @@ class PostImportFinder:
             return {name: tuple(hooks) for name, hooks in self._hooks.items()}
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in self._hooks:
+        if fullname not in self._hooks and not (self._open and self._inside_open_package(fullname)):
             return None
         searching = self._searching.__dict__.setdefault("names", set())
         if fullname in searching:  # our own search below reached us again
@@ -85,7 +105,18 @@ class PostImportFinder:
             loader.exec_module = self._wrap(loader, exec_module)
         except (AttributeError, TypeError):  # a loader without an instance dict: unhookable
             return None
+        if getattr(spec, "submodule_search_locations", None) is not None and fullname in self._hooks:
+            with self._lock:  # opened before the package is in sys.modules: no submodule slips by
+                self._open[fullname] = spec
         return spec
+
+    def _inside_open_package(self, fullname):
+        """Whether ``fullname`` is a submodule of a package whose execution or hooks are under way
+        (the package in sys.modules is the one from the spec this finder handed out)."""
+        for package, spec in list(self._open.items()):
+            if fullname.startswith(package + ".") and getattr(sys.modules.get(package), "__spec__", None) is spec:
+                return True
+        return False
 
     def _wrap(self, loader, exec_module):
         # A closure, not functools.partial: functools is not imported at interpreter start.
@@ -95,18 +126,34 @@ class PostImportFinder:
         return exec_then_run_hooks
 
     def _exec_then_run_hooks(self, loader, exec_module, module):
-        try:
-            exec_module(module)
-        finally:
-            # Put the loader back as it was before anything else can look at the module.
-            if loader.__dict__.get("exec_module") is not exec_module:
-                loader.__dict__.pop("exec_module", None)
+        name = module.__name__
         with self._lock:
-            hooks = list(self._hooks.get(module.__name__, ()))
-        for hook in hooks:  # outside the lock: a hook may import, and watch more modules
-            if isinstance(hook, str):
-                hook = _resolve(hook)
-            hook(module)
+            self._executing[name] = self._executing.get(name, 0) + 1
+        try:
+            try:
+                exec_module(module)
+            finally:
+                # Put the loader back as it was before anything else can look at the module.
+                if loader.__dict__.get("exec_module") is not exec_module:
+                    loader.__dict__.pop("exec_module", None)
+                # Executed (or failed) and its hooks read in one step: a hook that another thread
+                # watches from now on is told the module is no longer executing, and judges it
+                # itself; one watched before this point is in the list.
+                with self._lock:
+                    count = self._executing.pop(name) - 1
+                    if count:
+                        self._executing[name] = count
+                    self._executed.add(name)
+                    hooks = list(self._hooks.get(name, ()))
+            for hook in hooks:  # outside the lock: a hook may import, and watch more modules
+                if isinstance(hook, str):
+                    hook = _resolve(hook)
+                hook(module)
+        finally:
+            if self._open:
+                with self._lock:
+                    if self._open.get(name) is getattr(module, "__spec__", None):
+                        del self._open[name]
 
     def invalidate_caches(self):
         pass
@@ -166,6 +213,8 @@ def activate_when_transformers_is_imported(module=None):
             return
         _resolve(_ACTIVATE)(module)
     except Exception as exc:  # never break `import transformers`; status says what happened
+        if getattr(exc, "raise_through_import", False):
+            raise  # strict mode (ATTN_OVERLAY_STRICT=1) asked for the import to fail
         try:
             _resolve("overlay.engine:record_startup_failure")(exc)
         except Exception:
@@ -195,8 +244,26 @@ def shadowing_module():
     return (
         f"attn-overlay: NOT active in this process: `import overlay` finds {found or 'nothing importable'}, "
         f"not attn-overlay ({ours}). Rename that file or package (or remove it from sys.path); "
-        "`python -m overlay.apply` checks the result"
+        + _how_to_check()
     )
+
+
+def _how_to_check():
+    """Advice that works where it is given. ``python -m overlay.apply`` cannot even start in a
+    folder holding the shadowing ``overlay.py`` (``-m`` finds that one first); the console script
+    puts its own folder first on ``sys.path``, starts anywhere, and names the shadowing file."""
+    import os
+
+    script = os.path.join(os.path.dirname(sys.executable), "attn-overlay")
+    if not os.path.isfile(script):  # no console script (pip install --target, a source tree)
+        return "once it is renamed, `python -m overlay.apply` checks the result"
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = os.path.join(folder, "attn-overlay") if folder else ""
+        if candidate and os.path.isfile(candidate):
+            if os.path.realpath(candidate) == os.path.realpath(script):
+                return "`attn-overlay` checks the result (here too)"
+            break  # the shell would run another environment's script
+    return f"`{script}` checks the result (here too)"
 
 
 def _is_overlay_source_tree(init_file):
