@@ -13,8 +13,20 @@
                       affected, fixed_in, variants`` and ``would_be`` (the state the patch would reach
                       if the hook were active; null when it is active)
 ``import_errors``     target modules that failed to import in the verification process
-``ok``                what the exit status says: no patch failed or met unrecognised code (and, in
-                      strict mode, the hook is active)
+``settings``          one object per setting of ``overlay/config.py``'s table, keyed by its environment
+                      variable, in table order: ``value`` (the value in force: a bool, a string, a
+                      list of patch ids, or null for a default location), ``source``
+                      (``"environment"`` or ``"default"``), ``raw`` (the environment's text, or null),
+                      ``default`` (as a user writes it), ``problem`` (why the environment's value is
+                      not used, or null) and ``deprecated`` (a deprecated name's note, or null)
+``summary``           one line for the whole release when every patch says the same of it (a release
+                      older than every patch's range), or null
+``ok``                what the exit status says: no patch failed, met unrecognised code or was
+                      displaced (and, in strict mode, the hook is active and no setting has a problem)
+
+Within one schema number keys are only ever added (``settings`` and ``summary`` were added within
+schema 1); a key
+removed or given another meaning raises the number.
 """
 
 from __future__ import annotations
@@ -40,14 +52,30 @@ python -m overlay.apply [--strict] -m MODULE [ARGS...]"""
 DESCRIPTION = """\
 Without a program: show every patch with its status for the installed transformers, and verify
 in a fresh subprocess (same interpreter, same flags) that the startup hook really activates the
-overlay there. With a program or -m MODULE: run it with the patches applied (for environments
-where startup hooks are not processed, e.g. `python -S`, embedded interpreters, or ATTN_OVERLAY=0)."""
+overlay there, and show the settings in force. With a program or -m MODULE: run it with the
+patches applied (for environments where startup hooks are not processed, e.g. `python -S`,
+embedded interpreters, or ATTN_OVERLAY=0); its child processes (multiprocessing spawn and
+forkserver children included) get them too wherever the startup hook is installed."""
 
-# Imports the patch target modules the way a user program would, then reports what happened.
-# It never calls overlay.apply() before reading hook_active: whatever is active there was
-# activated by the startup hook.
+# Imports the patch target modules the way a user program started here would, then reports what
+# happened. It never calls overlay.apply() before reading hook_active: whatever is active there was
+# activated by the startup hook. PACKAGE_ROOT is the folder holding the caller's overlay package.
 _VERIFY_CODE = """
-import importlib, json, logging
+import importlib, json, logging, sys
+# Last on the path: used only where this process finds no overlay of its own (-S, -I, -P).
+sys.path.append(PACKAGE_ROOT)
+try:
+    import _attn_overlay_startup as startup
+    shadowed = startup.shadowing_module()
+except (ImportError, AttributeError):
+    startup = shadowed = None
+if shadowed:
+    # A program started here imports the user's module, not the overlay (the hook refuses and
+    # says so). Still show what the patches would reach, with the caller's overlay, explicitly.
+    hooks = startup.finder()
+    if hooks is not None:
+        hooks.unwatch("transformers", startup.activate_when_transformers_is_imported)
+    sys.path.insert(0, PACKAGE_ROOT)
 import overlay.engine as engine
 modules = sorted({p.module for p in engine.known_patches()})
 errors = {}
@@ -67,8 +95,14 @@ print(json.dumps({
     "activation_error": engine.activation_error(),
     "import_errors": errors,
     "patches": [s.as_dict() for s in engine.status()],
+    "shadowed": shadowed,
 }))
 """
+
+#: How the startup hook's message about a shadowing module begins (``_attn_overlay_startup``),
+#: and the report's reason made of it.
+_SHADOW_PREFIX = "attn-overlay: NOT active in this process: "
+_SHADOWED_REASON = "`import overlay` finds "
 
 
 def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -78,8 +112,9 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--strict",
         action="store_true",
-        help="exit non-zero (report) or raise (program) when a patch meets unrecognised code, "
-        "fails, or the hook is inactive; same as ATTN_OVERLAY_STRICT=1",
+        help="exit non-zero (report) or raise (program) when a patch meets unrecognised code or "
+        "fails; the report also when the hook is inactive or a setting is outside the table "
+        "(overlay/config.py); same as ATTN_OVERLAY_STRICT=1",
     )
     parser.add_argument("--no-verify", action="store_true", help="skip the fresh-subprocess check")
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run library module as a script")
@@ -103,22 +138,23 @@ def interpreter_flags() -> list[str]:
         return list(subprocess._args_from_interpreter_flags())  # what multiprocessing uses
     except Exception:  # noqa: BLE001 -- a private helper; without it, rebuild the common flags
         flags = sys.flags
-        out = []
+        out = ["-S"] * bool(flags.no_site)  # -I does not imply -S: site-packages .pth files still run
         if flags.isolated:
             out.append("-I")
         else:
-            out += ["-S"] * bool(flags.no_site) + ["-E"] * bool(flags.ignore_environment)
-            out += ["-s"] * bool(flags.no_user_site)
+            out += ["-E"] * bool(flags.ignore_environment) + ["-s"] * bool(flags.no_user_site)
+            out += ["-P"] * bool(getattr(flags, "safe_path", False))
         return out
 
 
+def _package_root() -> str:
+    """The folder holding this overlay package (site-packages, or a source tree's root)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _verify_in_subprocess(timeout: float = 300.0) -> dict:
-    command = [sys.executable, *interpreter_flags(), "-c", _VERIFY_CODE]
-    if sys.flags.isolated or sys.flags.safe_path:
-        # -I / -P leave the working directory off sys.path: the child must find this overlay
-        # package by its path, as the caller did.
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        command[-1] = f"import sys; sys.path.append({package_root!r})\n" + _VERIFY_CODE
+    code = f"PACKAGE_ROOT = {_package_root()!r}\n" + _VERIFY_CODE
+    command = [sys.executable, *interpreter_flags(), "-c", code]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -130,9 +166,9 @@ def _verify_in_subprocess(timeout: float = 300.0) -> dict:
         result = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return {"error": f"unexpected output from the verification subprocess: {done.stdout[-300:]!r}"}
-    shadow = [line for line in done.stderr.splitlines() if line.startswith("attn-overlay: NOT active")]
-    if shadow:
-        result["shadowed"] = shadow[-1]
+    if not result.get("shadowed"):
+        said = [line for line in done.stderr.splitlines() if line.startswith(_SHADOW_PREFIX)]
+        result["shadowed"] = said[-1] if said else None
     return result
 
 
@@ -141,13 +177,18 @@ def why_the_hook_is_inactive() -> str:
     if not config.auto_enabled():
         return f"{config.ENABLE_VAR}={os.environ.get(config.ENABLE_VAR)} is set: the startup hook is turned off"
     if sys.flags.no_site:
-        return "python was started with -S (or -I): site-packages .pth files, the startup hook among them, are not read"
+        # Only -S: -I (isolated mode) skips the user site and PYTHON* variables, but still reads
+        # site-packages' .pth files, so the hook runs there.
+        return (
+            "python was started with -S: it reads no site-packages .pth file, so the startup hook never "
+            "runs (-I, isolated mode, does read them)"
+        )
     try:
         import _attn_overlay_startup as startup
 
         shadow = startup.shadowing_module()
         if shadow:
-            return shadow.removeprefix("attn-overlay: ")
+            return _shadow_reason(shadow)
     except ImportError:
         pass
     pth = _installed_pth()
@@ -169,6 +210,11 @@ def why_the_hook_is_inactive() -> str:
             "`pip install attn-overlay` (or `pip install .` in a clone)"
         )
     return f"the startup hook ({pth}) did not activate; see the activation error above, if any"
+
+
+def _shadow_reason(message: str) -> str:
+    """The startup hook's line about a shadowing module, as the report's reason."""
+    return message.removeprefix(_SHADOW_PREFIX).removeprefix("attn-overlay: ")
 
 
 def _installed_pth() -> str | None:
@@ -208,6 +254,7 @@ def build_report(verify: bool = True) -> dict:
         "hook": {"active": None, "verified": False, "reason": None},
         "patches": [],
         "import_errors": {},
+        "settings": {value.setting.name: value.as_dict() for value in _settings_in_force()},
         "ok": True,
     }
     if not verify or version is None:
@@ -223,7 +270,8 @@ def build_report(verify: bool = True) -> dict:
     active = bool(verified["hook_active"])
     reason = None
     if not active:
-        reason = verified.get("shadowed", "").removeprefix("attn-overlay: ") or verified.get("activation_error")
+        shadowed = verified.get("shadowed")
+        reason = _shadow_reason(shadowed) if shadowed else verified.get("activation_error")
         reason = reason or why_the_hook_is_inactive()
     report["hook"] = {"active": active, "verified": True, "reason": reason}
     report["import_errors"] = verified.get("import_errors", {})
@@ -236,10 +284,72 @@ def build_report(verify: bool = True) -> dict:
     return _finish(report)
 
 
+def _settings_in_force() -> list[config.Value]:
+    """Every setting's value, ``ATTN_OVERLAY_DISABLE``'s ids checked against the patch files."""
+    try:
+        known = [patch.id for patch in engine.known_patches()]
+    except Exception:  # noqa: BLE001 -- a broken patch file: its status says so; ids go unchecked
+        known = None
+    return config.in_force(known)
+
+
+def setting_problems(report: dict) -> list[str]:
+    """The report's bad settings: values outside the table (``--strict`` exits 1 on any)."""
+    return [entry["problem"] for entry in report["settings"].values() if entry["problem"]]
+
+
+def _settings_table(settings: dict) -> str:
+    rows = []
+    for name, entry in settings.items():
+        value = entry["value"]
+        if isinstance(value, bool):
+            shown = "1" if value else "0"
+        elif isinstance(value, list):
+            shown = ",".join(value) if value else "none"
+        else:
+            shown = "default location" if value is None else str(value)
+        if entry["source"] != config.FROM_ENVIRONMENT:
+            source = "default"
+        else:
+            source = "from the environment" + (": not accepted, see below" if entry["problem"] else "")
+        rows.append((name, shown, source))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    lines = ["settings (overlay/config.py has the table):"]
+    lines += [f"  {name:<{widths[0]}}  {shown:<{widths[1]}}  {source}" for name, shown, source in rows]
+    for entry in settings.values():
+        for message in (entry["problem"], entry["deprecated"]):
+            if message:
+                lines.append("  " + message.removeprefix("attn-overlay: "))
+    return "\n".join(lines)
+
+
 def _finish(report: dict) -> dict:
     states = {row["would_be"] or row["state"] for row in report["patches"]}
     report["ok"] = not (states & engine.BAD_STATES)
+    report["summary"] = _older_than_every_patch(report["transformers_version"], states)
     return report
+
+
+def _older_than_every_patch(version: str | None, states: set) -> str | None:
+    """One line for a release older than the lowest release any patch was written for."""
+    if version is None or states != {engine.OUT_OF_RANGE}:
+        return None
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    from .patch import lowest_release
+
+    lowest = [low for p in engine.known_patches() if (low := lowest_release(SpecifierSet(p.affected))) is not None]
+    try:
+        older = bool(lowest) and Version(version) < min(lowest)
+    except InvalidVersion:
+        return None
+    if not older:
+        return None
+    return (
+        f"transformers {version} is older than {min(lowest)}, the oldest release any patch was written for: "
+        "nothing is patched or checked here (the accelerator stacks' pins start at 4.55)"
+    )
 
 
 def _table(rows: list[dict]) -> str:
@@ -260,7 +370,7 @@ def report(args: argparse.Namespace) -> int:
     result = build_report(verify=not args.no_verify)
     strict = args.strict or config.strict_from_env()
     hook = result["hook"]
-    if strict and hook["active"] is False:
+    if strict and (hook["active"] is False or setting_problems(result)):
         result["ok"] = False
     if args.json:
         print(json.dumps(result, indent=2))
@@ -268,33 +378,100 @@ def report(args: argparse.Namespace) -> int:
         version = result["transformers_version"]
         print(f"attn-overlay {__version__} | transformers {version or 'not installed'} | python {result['python']}")
         print(_table(result["patches"]))
+        if result["summary"]:
+            print(f"\n{result['summary']}")
         if hook["active"] is True:
             print("\nstartup hook: active (verified in a fresh subprocess with this interpreter's flags)")
         elif hook["active"] is False:
-            print(
-                f"\nstartup hook: NOT active: {hook['reason']}"
-                "\n  No program gets these patches until then, except through `python -m overlay.apply PROGRAM.py`"
-                " or `overlay.apply()`; the status column says what they would reach."
-            )
+            print(f"\nstartup hook: NOT active: {hook['reason']}")
+            if str(hook["reason"]).startswith(_SHADOWED_REASON):  # neither way around it works there
+                print("  No program started here gets these patches; the status column says what they would reach.")
+            else:
+                print(
+                    "  No program gets these patches until then, except through `python -m overlay.apply PROGRAM.py`"
+                    " or `overlay.apply()`; the status column says what they would reach."
+                )
         elif hook["reason"]:
             print(f"\n{hook['reason']}")
+        print("\n" + _settings_table(result["settings"]))
+        if strict and setting_problems(result):
+            print("  (strict mode: a setting outside the table fails the check)")
     return 0 if result["ok"] else 1
 
 
 def run_program(args: argparse.Namespace, rest: list[str]) -> int:
+    """Run the program (or ``-m`` module) with the patches applied, in this process; its child
+    processes get them through the startup hook (see :func:`_hand_down_to_children`)."""
     engine.apply(strict=True if args.strict else None)
+    _hand_down_to_children(strict=engine.settings().strict)
     if args.module:
+        cannot = _cannot_run_module(args.module)
+        if cannot is not None:  # what `python -m MODULE` prints, and its exit status
+            print(f"{sys.executable}: {cannot}", file=sys.stderr)
+            return 1
         sys.argv = [args.module, *rest]
         runpy.run_module(args.module, run_name="__main__", alter_sys=True)
-    else:
-        program, *program_args = rest
-        if not os.path.exists(program):
-            print(f"python -m overlay.apply: can't open file {program!r}: no such file", file=sys.stderr)
-            return 2
-        sys.argv = [program, *program_args]
+        return 0
+    program, *program_args = rest
+    cannot = _cannot_run_path(program)
+    if cannot is not None:  # what `python PROGRAM` prints, and its exit status
+        message, status = cannot
+        print(f"{sys.executable}: {message}", file=sys.stderr)
+        return status
+    sys.argv = [program, *program_args]
+    if not os.path.isdir(program):  # run_path puts a folder (or zip) itself first on sys.path
         sys.path.insert(0, os.path.dirname(os.path.abspath(program)))
-        runpy.run_path(program, run_name="__main__")
+    runpy.run_path(program, run_name="__main__")
     return 0
+
+
+def _hand_down_to_children(strict: bool) -> None:
+    """Turn the startup hook on for the program's child processes, whatever ``ATTN_OVERLAY`` says.
+
+    A ``multiprocessing`` (or ``torch.multiprocessing``) child started by spawn or forkserver is a
+    fresh interpreter: it re-imports the program's main module and gets nothing of this process's
+    patches. Where the startup hook is installed, ``ATTN_OVERLAY=1`` (and ``ATTN_OVERLAY_STRICT=1``
+    in strict mode) in the environment they inherit makes it activate the overlay there too, as in
+    this process. Where it is not (``-S``, an editable install, ``pip install --target``), the
+    children run unpatched: they must call ``overlay.apply()`` themselves (README, "Turning it off").
+    Forked children inherit this process's patches as they are.
+    """
+    os.environ[config.ENABLE_VAR] = "1"
+    if strict:
+        os.environ[config.STRICT_VAR] = "1"
+
+
+def _cannot_run_module(name: str) -> str | None:
+    """Python's own message when ``python -m name`` cannot run ``name`` (no such module, a package
+    without ``__main__``, ...), else ``None``. Resolves the module as ``python -m`` does (importing
+    its parent packages), without running it."""
+    details = getattr(runpy, "_get_module_details", None)  # what `python -m` itself calls
+    if details is None:  # not this Python's runpy: run_module raises the same ImportError
+        return None
+
+    class CannotRun(Exception):
+        pass
+
+    try:
+        details(name, CannotRun)
+    except CannotRun as exc:
+        return str(exc)
+    return None
+
+
+def _cannot_run_path(program: str) -> tuple[str, int] | None:
+    """Python's own message and exit status when ``python program`` cannot run it, else ``None``."""
+    where = os.path.abspath(program)
+    if os.path.isdir(program):
+        if not any(os.path.isfile(os.path.join(program, name)) for name in ("__main__.py", "__main__.pyc")):
+            return f"can't find '__main__' module in {where!r}", 1
+        return None
+    try:
+        with open(program, "rb"):
+            pass
+    except OSError as exc:
+        return f"can't open file {where!r}: [Errno {exc.errno}] {exc.strerror}", 2
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

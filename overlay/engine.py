@@ -128,7 +128,7 @@ class Settings:
     def from_env(cls, strict: bool | None = None) -> "Settings":
         return cls(
             strict=config.strict_from_env() if strict is None else strict,
-            disabled=config.disabled_patch_ids(),
+            disabled=config.disabled_patch_ids([patch.id for patch in known_patches()]),
         )
 
 
@@ -560,7 +560,7 @@ def status() -> list[PatchStatus]:
             version = installed_transformers_version()
             out = []
             for patch in known_patches():
-                record = _initial_record(patch, version, config.disabled_patch_ids())
+                record = _initial_record(patch, version, config.disabled_patch_ids([p.id for p in known_patches()]))
                 reason = _engine.startup_error or "overlay not activated in this process"
                 out.append(replace(record.status, state=INACTIVE, reason=f"{reason}; would be: {record.status.state} ({record.status.reason})"))
             return out

@@ -10,16 +10,21 @@ through ``AttentionInterface``). Both read one setting, the *mode*:
     dtype when they still differ (for transformers' own kernels: once the kernel has rejected them,
     see ``patches/attention_guard.py``). Everything else (devices, shapes) raises
     :class:`AttentionInputError`.
-``strict``
-    Nothing is cast: any disagreement, dtype included, raises :class:`AttentionInputError`
-    naming the tensors. Meant for CI, to find where a mismatched cache comes from.
+``check``
+    Nothing is cast: q, k, v are checked before every call, and any disagreement, dtype
+    included, raises :class:`AttentionInputError` naming the tensors. Meant for CI, to find where
+    a mismatched cache comes from. Its old name, ``strict``, is still accepted, with a warning
+    naming ``check``. (It is unrelated to ``ATTN_OVERLAY_STRICT``, the engine's
+    strict mode, in which unrecognised code or a failed patch raises.)
 ``off``
     Both patches step aside: tensors pass through untouched, as on stock transformers. A kill
     switch that needs no re-import (the patches stay installed).
 
-Set it with the environment variable ``ATTN_OVERLAY_ATTENTION_GUARD=align|strict|off`` (read
-when this module is first imported) or with :func:`set_mode` / :func:`using_mode` at run time.
-A value that is not a mode is reported once and ``align`` is used.
+Set it with the environment variable ``ATTN_OVERLAY_ATTENTION_GUARD=align|check|off`` (its row
+in the settings table, ``overlay/config.py``; read once, when this module is first imported,
+which the engine does when it loads the patches) or with :func:`set_mode` / :func:`using_mode`
+at run time. A value that is not a mode is reported once (logger ``overlay``) and ``align`` is
+used.
 
 Under ``torch.compile`` the mode is a module global: dynamo guards on it, so changing the mode
 recompiles the affected frames once instead of being ignored.
@@ -37,17 +42,20 @@ Importing this module imports neither torch nor transformers.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from typing import Any, Iterator
 
-#: Environment variable holding the mode.
-MODE_VAR = "ATTN_OVERLAY_ATTENTION_GUARD"
+from . import config
+
+#: Environment variable holding the mode (its row in the settings table: ``overlay/config.py``).
+MODE_VAR = config.GUARD_VAR
 ALIGN = "align"
-STRICT = "strict"
+CHECK = "check"
 OFF = "off"
-MODES = (ALIGN, STRICT, OFF)
-DEFAULT_MODE = ALIGN
+MODES = config.GUARD_MODES
+DEFAULT_MODE = config.GUARD_DEFAULT
+#: The old name of :data:`CHECK` (the same string): code comparing ``mode == guard.STRICT`` keeps working.
+STRICT = CHECK
 
 
 class AttentionInputError(RuntimeError):
@@ -61,40 +69,41 @@ class KVCacheDtypeWarning(UserWarning):
     """A KV cache holds states in another dtype than the one attention computes in (cast on read)."""
 
 
-def _mode_from_env() -> str:
-    raw = os.environ.get(MODE_VAR, "").strip().lower()
-    if not raw:
-        return DEFAULT_MODE
-    if raw not in MODES:
-        warnings.warn(
-            f"{MODE_VAR}={raw!r} is not one of {', '.join(MODES)}; using {DEFAULT_MODE!r}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return DEFAULT_MODE
-    return raw
-
-
-_mode: str = _mode_from_env()
+#: Read once, here: the patches read this global on every call, never the environment.
+_mode: str = config.guard_mode()
 
 
 def get_mode() -> str:
-    """The current mode: ``"align"``, ``"strict"`` or ``"off"``."""
+    """The current mode: ``"align"``, ``"check"`` or ``"off"``."""
     return _mode
 
 
 def set_mode(mode: str | None) -> str:
-    """Set the mode for this process and return the previous one. ``None`` re-reads the environment."""
+    """Set the mode for this process and return the previous one. ``None``: the mode
+    ``ATTN_OVERLAY_ATTENTION_GUARD`` sets (the environment read again). ``"strict"``, the old name
+    of ``"check"``, is accepted with a :class:`DeprecationWarning`."""
     global _mode
     previous = _mode
     if mode is None:
-        _mode = _mode_from_env()
+        _mode = config.guard_mode()
         return previous
     normalised = str(mode).strip().lower()
+    if normalised in config.DEPRECATED_GUARD_MODES:
+        new = config.DEPRECATED_GUARD_MODES[normalised]
+        warnings.warn(
+            f"attention guard mode {mode!r} is deprecated: it is now called {new!r} (same behaviour)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        normalised = new
     if normalised not in MODES:
-        raise ValueError(f"attention guard mode must be one of {', '.join(MODES)}, not {mode!r}")
+        raise ValueError(
+            f"attention guard mode must be one of {', '.join(MODES)}, not {mode!r}"
+            " (see ATTN_OVERLAY_ATTENTION_GUARD in overlay/config.py)"
+        )
     _mode = normalised
     return previous
+
 
 
 @contextlib.contextmanager
@@ -187,12 +196,12 @@ def check_attention_inputs(
     """Validate query, key and value before an attention kernel sees them; return them (aligned).
 
     Checks: one device; one dtype (cast key/value to the query's in ``align``, raise in
-    ``strict``, left to autocast where it is enabled); for ``[batch, heads, seq, head_dim]``
+    ``check``, left to autocast where it is enabled); for ``[batch, heads, seq, head_dim]``
     tensors: batch sizes agree (or broadcast from 1), key and value have the same number of heads
     and positions, the query's heads are a multiple of the key's, the query's and key's head_dim
     agree. Tensors that are not 4-D (packed/varlen layouts) only get the device and dtype checks.
 
-    This is the check *before* the kernel: ``patches/attention_guard.py`` runs it in ``strict``,
+    This is the check *before* the kernel: ``patches/attention_guard.py`` runs it in ``check``,
     for kernels that transformers does not ship, and under ``torch.compile`` (where every branch is
     decided at trace time); transformers' own kernels in ``align`` get :func:`diagnose_kernel_error`
     only after they fail. Costs a few attribute reads when everything agrees: no copy, no kernel.
@@ -243,7 +252,7 @@ def diagnose_kernel_error(
     """An attention kernel raised ``error`` on ``query``, ``key``, ``value``: what the guard makes of it.
 
     - raises :class:`AttentionInputError` (chained ``from error``) naming the tensors when they do
-      not go together (devices, shapes; dtypes too in ``strict``);
+      not go together (devices, shapes; dtypes too in ``check``);
     - returns ``(query, key, value)`` with key/value cast to the query's dtype when a dtype
       mismatch is the only problem and the mode is ``align`` (the caller calls the kernel again);
     - returns ``None`` when nothing is wrong with the tensors (or under autocast, or in ``off``):
@@ -310,7 +319,7 @@ def _diagnose(
 
     dtype_mismatch = key.dtype != query.dtype or value.dtype != query.dtype
     # Under autocast, dtypes are autocast's business (see the module docstring).
-    if dtype_mismatch and mode == STRICT and not _autocast_enabled(query.device):
+    if dtype_mismatch and mode == CHECK and not _autocast_enabled(query.device):
         off_dtype = [n for n, t in (("key", key), ("value", value)) if t.dtype != query.dtype]
         dtypes = ", ".join(f"{n} is {t.dtype}" for n, t in (("key", key), ("value", value)) if t.dtype != query.dtype)
         problems.append(("dtype", f"{dtypes}, but query is {query.dtype}"))
@@ -338,6 +347,14 @@ def _diagnose(
         if k_len != v_len:
             problems.append(("shape", f"key holds {k_len} positions (dim 2), value {v_len}: they must be equal"))
             name("key", "value")
+    elif key.dim() >= 1 and value.dim() >= 1 and key.shape[:-1] != value.shape[:-1]:
+        # Other layouts (packed 3-D, ...): key and value pair up position by position whatever the
+        # layout, so all but their last dims must agree; a dtype cast would not make the call work.
+        problems.append((
+            "shape",
+            f"key is {tuple(key.shape)}, value {tuple(value.shape)}: all but their last dim must be equal",
+        ))
+        name("key", "value")
 
     if problems:
         _raise(
@@ -383,7 +400,7 @@ def warn_cache_cast_once(layer_idx: Any, layer: Any, which: str, stored: Any, co
         f"attn-overlay: KV cache layer {layer_idx} ({type(layer).__name__}) holds {which} in {stored} but "
         f"attention computes in {compute}; the overlay casts what the cache hands back on every step "
         f"(one copy of that layer's cache per step). Build the cache in {compute} to avoid the copy. "
-        f"(Shown once per dtype pair; {MODE_VAR}=strict turns this into an error.)",
+        f"(Shown once per dtype pair; {MODE_VAR}=check turns this into an error.)",
         KVCacheDtypeWarning,
         stacklevel=5,
     )
@@ -399,7 +416,7 @@ def warn_cache_rounding_once(layer_idx: Any, layer: Any, which: str, stored: Any
         f"model writes {state} states in {incoming}. A static cache cannot change dtype (compiled graphs and "
         f"exported programs hold its buffers), so the overlay rounds every new {state} state to {stored}: "
         f"PRECISION IS LOST, not only a copy made (stock transformers fails here in index_copy_). Build the cache "
-        f"in {incoming} to keep full precision. (Shown once per dtype pair; {MODE_VAR}=strict turns this into an "
+        f"in {incoming} to keep full precision. (Shown once per dtype pair; {MODE_VAR}=check turns this into an "
         f"error.)",
         KVCacheDtypeWarning,
         stacklevel=5,
@@ -419,7 +436,7 @@ def warn_cross_cache_cast_once(layer_idx: Any, layer: Any, which: str, stored: A
         f"attn-overlay: cross-attention cache layer {layer_idx} ({type(layer).__name__}) held {which} in {stored} "
         f"but the decoder computes in {compute}; encoder-decoder models read that cache directly, so the overlay "
         f"converted it once, in place, to {compute} ({loss}). Build the cache in {compute} to avoid the "
-        f"conversion. (Shown once per dtype pair; {MODE_VAR}=strict turns this into an error.)",
+        f"conversion. (Shown once per dtype pair; {MODE_VAR}=check turns this into an error.)",
         KVCacheDtypeWarning,
         stacklevel=5,
     )
@@ -431,7 +448,7 @@ def reset_warnings() -> None:
 
 
 class CacheDtypeError(AttentionInputError):
-    """Strict mode: a KV cache layer stores another dtype than the states the model writes to it."""
+    """Mode ``check``: a KV cache layer stores another dtype than the states the model writes to it."""
 
     def __init__(
         self, layer: Any, which: str, stored: Any, incoming: Any, layer_idx: Any = None, cache: str = "KV cache"
@@ -441,7 +458,7 @@ class CacheDtypeError(AttentionInputError):
         state = "key_states" if which == "keys" else "value_states"
         where = f"{cache} layer {layer_idx} ({type(layer).__name__})" if layer_idx is not None else type(layer).__name__
         super().__init__(
-            f"attn-overlay (mode={STRICT}): {where} stores {which} in {stored.dtype} but the model writes "
+            f"attn-overlay (mode={CHECK}): {where} stores {which} in {stored.dtype} but the model writes "
             f"{state} in {incoming.dtype}:\n"
             f"  {describe(f'cache {which}', stored)}\n"
             f"  {describe(state, incoming)}\n"

@@ -35,9 +35,9 @@ the kernel behind a wrapper; what the wrapper does depends on the kernel and the
   call, see "Cost") and kept: the kernels are module attributes of transformers, alive for the
   whole process anyway.
 - **any other callable** (registered by users or kernels hub, closures, callable objects,
-  ``functools.partial``), and **every kernel in ``strict``**: nothing is known of what such a
+  ``functools.partial``), and **every kernel in ``check``**: nothing is known of what such a
   kernel accepts, so :func:`overlay.guard.check_attention_inputs` runs before the call, as in the
-  guard's first version (``align`` casts, ``strict`` raises, on devices and shapes both raise).
+  guard's first version (``align`` casts, ``check`` raises, on devices and shapes both raise).
   Such wrappers are built per call and never stored: the guard holds no reference to a user's
   function (an attention function registered per model load can capture the model), and
   callables that are not hashable (a ``@dataclass`` with ``__call__``) work.
@@ -46,7 +46,7 @@ the kernel behind a wrapper; what the wrapper does depends on the kernel and the
   returns False when run and that dynamo replaces with one returning True): every kernel gets the
   check before the call, decided at trace time (no graph break, no op when q, k, v agree, no
   recompilation); exceptions raised by a kernel on fake tensors cannot be caught in the graph.
-  In ``strict`` the named error is raised while tracing; with ``fullgraph=True`` dynamo reports it
+  In ``check`` the named error is raised while tracing; with ``fullgraph=True`` dynamo reports it
   as its own "Observed exception" error, which quotes the guard's message on torch 2.13 and names
   only ``AttentionInputError`` on torch 2.8 (without ``fullgraph`` the frame runs eagerly and
   raises the named error itself).
@@ -67,7 +67,7 @@ others keep their lookup), only where ``get_interface`` does not exist (``Target
 5.1.0 ``get_interface`` is the dispatch point and the lookup is left alone), and deleted again by a
 revert, so the class is left exactly as stock (``Target.inherited_from``). It hands out the same
 wrappers as ``get_interface``'s replacement, in the same cases (transformers' kernels in ``align``,
-the check before the call for other callables, in ``strict`` and under ``torch.compile``, ``off``
+the check before the call for other callables, in ``check`` and under ``torch.compile``, ``off``
 unwrapped). Every reader of the registry goes through that lookup, not only the attention layers:
 subscripts, ``.get``, ``items()`` and ``values()`` give the guard's wrappers of the very same
 callables (``in``, ``keys()``, ``valid_keys()`` and ``len`` answer as on stock), and an entry copied within the
@@ -251,7 +251,7 @@ def _checked_call(function, attn_implementation, module, query, key, value, *arg
 
 
 def _checked_wrapper(function, attn_implementation):
-    """Any other callable, or ``strict``: the check before the call. Built per call, never stored."""
+    """Any other callable, or ``check``: the check before the call. Built per call, never stored."""
 
     def guarded_attention(module, query, key, value, *args, **kwargs):
         return _checked_call(function, attn_implementation, module, query, key, value, *args, **kwargs)
@@ -350,7 +350,7 @@ def _replace_get_interface(original, variant):
             return function
         if _compiling():  # the check before the call, decided at trace time
             return functools.partial(_checked_call, function, attn_implementation)
-        return _checked_wrapper(function, attn_implementation)  # strict
+        return _checked_wrapper(function, attn_implementation)  # check
 
     return get_interface
 
@@ -422,7 +422,7 @@ def _replace_registry_lookup(original, variant):
             return function  # what the registry holds, as stock returns it
         if _compiling():  # the check before the call, decided at trace time
             return functools.partial(_checked_call, function, key)
-        return _checked_wrapper(_unguarded(function), key)  # strict
+        return _checked_wrapper(_unguarded(function), key)  # check
 
     return __getitem__
 

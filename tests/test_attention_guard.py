@@ -1,7 +1,7 @@
 """The attention-entry guard (``overlay/guard.py``, patch ``attention-guard``) and its mode setting.
 
 Each kind of violation must give an error that names the offending tensor(s) with device, dtype
-and shape and says what to do; ``align`` fixes dtypes, ``strict`` raises on them, ``off`` leaves
+and shape and says what to do; ``align`` fixes dtypes, ``check`` raises on them, ``off`` leaves
 everything alone. Device mismatches are built with the ``meta`` device (no second accelerator
 needed: the guard only reads metadata).
 """
@@ -95,19 +95,30 @@ def problem_lines(message: str) -> list[str]:
 
 def test_mode_api_defaults_to_align_and_validates():
     assert guard.get_mode() == "align"
-    previous = guard.set_mode("strict")
+    previous = guard.set_mode("check")
     try:
-        assert previous == "align" and guard.get_mode() == "strict"
+        assert previous == "align" and guard.get_mode() == "check"
         with guard.using_mode("off"):
             assert guard.get_mode() == "off"
-        assert guard.get_mode() == "strict"
-        with pytest.raises(ValueError, match="must be one of align, strict, off"):
+        assert guard.get_mode() == "check"
+        with pytest.raises(ValueError, match="must be one of align, check, off"):
             guard.set_mode("loose")
     finally:
         guard.set_mode(previous)
 
 
-@pytest.mark.parametrize(("value", "expected"), [("strict", "strict"), (" OFF ", "off"), ("", "align"), ("bogus", "align")])
+def test_the_old_mode_name_strict_is_check_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="'strict' is deprecated: it is now called 'check'"):
+        previous = guard.set_mode("strict")
+    try:
+        assert guard.get_mode() == "check" == guard.STRICT
+    finally:
+        guard.set_mode(previous)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("check", "check"), ("strict", "check"), (" OFF ", "off"), ("", "align"), ("bogus", "align")]
+)
 def test_mode_from_environment(value, expected):
     env = {k: v for k, v in os.environ.items() if k != guard.MODE_VAR}
     env[guard.MODE_VAR] = value
@@ -119,7 +130,12 @@ def test_mode_from_environment(value, expected):
     # the mode module is cheap: it imports neither torch nor transformers
     assert done.stdout.split() == [expected, "False"]
     if value == "bogus":
-        assert "ATTN_OVERLAY_ATTENTION_GUARD='bogus' is not one of align, strict, off" in done.stderr
+        assert "ATTN_OVERLAY_ATTENTION_GUARD='bogus' is not a mode (accepted: align, check, off" in done.stderr
+        assert "using the default, align" in done.stderr
+    elif value == "strict":
+        assert "ATTN_OVERLAY_ATTENTION_GUARD='strict' is deprecated: that mode is now called 'check'" in done.stderr
+    else:
+        assert done.stderr == ""
 
 
 # -- each kind of violation -----------------------------------------------------------------------
@@ -150,10 +166,10 @@ def test_device_mismatch_is_not_fixed_by_align():
         guard.check_attention_inputs(query, key.to("meta"), value.to("meta"), mode="align")
 
 
-def test_dtype_mismatch_in_strict_mode_names_the_tensor():
+def test_dtype_mismatch_in_check_mode_names_the_tensor():
     query, key, value = qkv()
     with pytest.raises(guard.AttentionInputError) as caught:
-        guard.check_attention_inputs(query, key.float(), value, mode="strict")
+        guard.check_attention_inputs(query, key.float(), value, mode="check")
     message = str(caught.value)
     assert problem_lines(message) == ["  - dtype: key is torch.float32, but query is torch.bfloat16"]
     assert "key: device=cpu, dtype=torch.float32, shape=(2, 2, 7, 8)" in message
@@ -169,11 +185,11 @@ def test_dtype_mismatch_in_align_mode_casts_to_the_query_dtype():
     assert out_key.dtype == torch.bfloat16 and torch.equal(out_key, key)
 
 
-def test_autocast_leaves_dtypes_to_autocast_even_in_strict_mode():
+def test_autocast_leaves_dtypes_to_autocast_even_in_check_mode():
     query, key, value = qkv()
     fp32_query, fp32_key = query.float(), key.float()  # what rotary embeddings do under autocast
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = guard.check_attention_inputs(fp32_query, fp32_key, value, mode="strict")
+        out = guard.check_attention_inputs(fp32_query, fp32_key, value, mode="check")
     assert out[0] is fp32_query and out[1] is fp32_key and out[2] is value
 
 
@@ -216,7 +232,7 @@ def test_batch_broadcast_and_separate_value_head_dim_are_allowed():
 def test_several_problems_are_reported_together():
     query, key, value = qkv()
     with pytest.raises(guard.AttentionInputError) as caught:
-        guard.check_attention_inputs(query, key.to("meta"), value[:, :, :6].float(), mode="strict")
+        guard.check_attention_inputs(query, key.to("meta"), value[:, :, :6].float(), mode="check")
     kinds = [line.split(":")[0].strip(" -") for line in problem_lines(str(caught.value))]
     assert kinds == ["device", "dtype", "shape"]
 
@@ -241,9 +257,9 @@ def test_message_names_the_layer_and_the_implementation():
 
     query, key, value = qkv()
     with pytest.raises(guard.AttentionInputError) as caught:
-        guard.check_attention_inputs(query, key.float(), value, module=LlamaAttention(), attn_implementation="sdpa", mode="strict")
+        guard.check_attention_inputs(query, key.float(), value, module=LlamaAttention(), attn_implementation="sdpa", mode="check")
     assert str(caught.value).startswith(
-        "attn-overlay attention guard (mode=strict): the inputs of LlamaAttention (layer 3, attn_implementation='sdpa') do not go together:"
+        "attn-overlay attention guard (mode=check): the inputs of LlamaAttention (layer 3, attn_implementation='sdpa') do not go together:"
     )
 
 
@@ -302,10 +318,10 @@ def _prefix_then_generate(attn, cast_prefix_to=None):
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_guard_in_a_model_strict_names_layer_and_tensors_instead_of_the_kernel_error(attn):
+def test_guard_in_a_model_check_names_layer_and_tensors_instead_of_the_kernel_error(attn):
     if attn == "eager" and not has_get_interface():
         pytest.skip(EAGER_NOT_DISPATCHED + "; test_eager_before_5_1_is_exactly_stock shows what happens there")
-    with guard_applied(), guard.using_mode("strict"):
+    with guard_applied(), guard.using_mode("check"):
         with pytest.raises(guard.AttentionInputError) as caught:
             _prefix_then_generate(attn)
     message = str(caught.value)
@@ -329,7 +345,7 @@ def test_guard_in_a_model_align_casts_at_the_entry(attn):
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("mode", ["align", "strict"])
+@pytest.mark.parametrize("mode", ["align", "check"])
 def test_eager_before_5_1_is_exactly_stock(mode):
     # What the docstring says of eager before 5.1.0: not guarded. The model's own eager function
     # meets the float32 prefix as on stock, with stock's very error (the guard alone, without
@@ -562,7 +578,7 @@ def test_a_kernel_copied_within_the_registry_stays_one_guarded_kernel():
             copied = dispatch("copy-test", _dummy_eager)
             assert copied is dispatch("sdpa", _dummy_eager) and copied.__wrapped__ is sdpa_attention_forward
             assert torch.equal(copied(_GQA(), query, key, value, None)[0], expected)
-            for mode in ("align", "strict"):
+            for mode in ("align", "check"):
                 with guard.using_mode(mode), pytest.raises(guard.AttentionInputError) as caught:
                     dispatch("copy-test", _dummy_eager)(_GQA(), query, key[..., :4], value, None)
                 assert str(caught.value).count("attn-overlay attention guard") == 1
@@ -762,7 +778,7 @@ def test_meta_tensors_get_the_named_error_not_an_autocast_error():
     # guard must not replace the kernel's error (or its own named one) with that.
     query, key, value = (t.to("meta") for t in qkv())
     with pytest.raises(guard.AttentionInputError, match=r"  - dtype: key is torch.float32, but query is torch.bfloat16"):
-        guard.check_attention_inputs(query, key.float(), value, mode="strict")
+        guard.check_attention_inputs(query, key.float(), value, mode="check")
     out = guard.check_attention_inputs(query, key.float(), value, mode="align")
     assert out[1].dtype == torch.bfloat16 and out[1].device.type == "meta"
     error = RuntimeError("the kernel's error")
@@ -781,7 +797,7 @@ def test_meta_tensors_through_the_patch_behave_as_stock_or_name_the_tensors():
         assert out.shape == stock.shape and out.dtype == stock.dtype and out.device == stock.device
         out = attention(_GQA(), query, key.float(), value.float(), None)[0]  # align: cast, as on cpu
         assert out.shape == stock.shape and out.dtype == stock.dtype
-        with guard.using_mode("strict"), pytest.raises(guard.AttentionInputError, match="dtype: key is torch.float32"):
+        with guard.using_mode("check"), pytest.raises(guard.AttentionInputError, match="dtype: key is torch.float32"):
             dispatch("sdpa", _dummy_eager)(_GQA(), query, key.float(), value, None)
 
 
@@ -809,13 +825,13 @@ def test_compiled_attention_call_checks_at_trace_time_without_graph_break_or_rec
     with guard_applied():
         outs, frames, ops = compiled_run(key, value)
         cast_outs, cast_frames, cast_ops = compiled_run(key.float(), value.float())
-        with guard.using_mode("strict"), pytest.raises(Exception) as strict_error:
+        with guard.using_mode("check"), pytest.raises(Exception) as check_error:
             compiled_run(key.float(), value)
     # With fullgraph, dynamo reports an exception raised while tracing as its own error ("Observed
     # exception"): torch 2.13 (CI's) quotes the guard's message in it, torch 2.8 (the Neuron
     # stack's) names only the exception's class.
-    text = str(strict_error.value)
-    assert isinstance(strict_error.value, guard.AttentionInputError) or "Observed exception" in text
+    text = str(check_error.value)
+    assert isinstance(check_error.value, guard.AttentionInputError) or "Observed exception" in text
     if Version(torch.__version__.split("+")[0]) >= Version("2.13"):
         assert "dtype: key is torch.float32" in text
     else:

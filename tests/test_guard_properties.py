@@ -8,9 +8,9 @@ called directly, unguarded, as the models do) and a matmul kernel a user registe
 run on stock transformers (``overlay.reverted()``) and with the guard, and checked:
 
 - where stock works, the overlay works and returns the identical result (``torch.equal`` on cpu;
-  shape, dtype and device on meta). Exceptions, by design: ``strict`` may raise
+  shape, dtype and device on meta). Exceptions, by design: ``check`` may raise
   :class:`overlay.guard.AttentionInputError` where stock computes with tensors that do not go
-  together (that is what strict is for), and so may the check before the call that kernels
+  together (that is what ``check`` is for), and so may the check before the call that kernels
   transformers does not ship get (the user kernel here; see the patch docstring);
 - where stock fails, the overlay either works (``align``, dtype mismatch only: the result equals
   stock on key/value cast by hand to the query's dtype), or raises ``AttentionInputError`` whose
@@ -112,7 +112,7 @@ def examples(draw):
         "groups": max(1, q_heads // kv_heads),
         "kernel": draw(st.sampled_from(["sdpa", "eager", "user"])),
         "autocast": draw(st.sampled_from([False, False, True])),
-        "mode": draw(st.sampled_from(["align", "align", "strict", "off"])),
+        "mode": draw(st.sampled_from(["align", "align", "check", "off"])),
         "what": f"{layout} {defect} dtypes={dtypes} devices={devices}",
     }
 
@@ -189,9 +189,9 @@ def test_the_guard_never_fails_where_stock_works_and_names_what_stock_cannot_com
         listed = str(result).split("tensors:\n")[1].split("what to do:")[0]
         assert any(f"  {name}: device=" in listed for name in ("query", "key", "value")), context
         if stock_kind == "ok":
-            # stock computed something from tensors that do not go together: only strict, or a
+            # stock computed something from tensors that do not go together: only check, or a
             # kernel transformers does not ship (checked before the call), may refuse that
-            assert example["mode"] == "strict" or example["kernel"] == "user", context
+            assert example["mode"] == "check" or example["kernel"] == "user", context
         return
 
     # the overlay computed a result

@@ -7,9 +7,10 @@ Floors, top to bottom:
   4  the engine: ``overlay.engine`` (gates, applies, reverts: knows no single patch)
   3  the registry: ``overlay.registry`` (which patch files ship)
   2  the patch files: ``overlay.patches`` (data and replacements; they import leaves only)
-  1  leaves: ``overlay.patch`` (the patch format and the verdict), ``overlay.config``,
+  1  leaves: ``overlay.patch`` (the patch format and the verdict),
      ``overlay.report``, ``overlay.guard``, ``overlay.tree_move``, ``overlay.call_forwarding``,
      ``overlay._version`` (and the startup module ``_attn_overlay_startup``)
+  0  the settings table: ``overlay.config`` (imports nothing of the package; the guard reads its mode there)
 A module imports only modules on lower floors. The one exception is a subpackage's own modules
 (``overlay.doctor._runner`` importing ``overlay.doctor._scenarios``): one unit, one floor.
 Importing the facade's attributes (``import overlay`` then ``overlay.x``, ``from overlay import
@@ -30,7 +31,8 @@ FLOORS = {
     "overlay.engine": 4,
     "overlay.registry": 3,
     "overlay.patches": 2,
-    "overlay.patch": 1, "overlay.config": 1, "overlay.report": 1, "overlay.guard": 1, "overlay.tree_move": 1,
+    "overlay.config": 0,
+    "overlay.patch": 1, "overlay.report": 1, "overlay.guard": 1, "overlay.tree_move": 1,
     "overlay.call_forwarding": 1,
     "overlay._version": 1, "_attn_overlay_startup": 1,
 }

@@ -1,0 +1,191 @@
+"""``python -m overlay.apply`` / ``attn-overlay``: its messages work where they are given.
+
+- next to a stray ``overlay.py`` the startup hook's advice names a command that runs there, and
+  ``attn-overlay`` there names the shadowing file;
+- ``-m MODULE`` / ``PROGRAM`` that cannot run get Python's own one line and exit status;
+- ``-S`` (not ``-I``) is what keeps the startup hook from running;
+- the program mode reaches ``multiprocessing`` spawn and forkserver children.
+
+The fresh-environment tests install this tree's wheel into a virtual environment of their own
+(``tests/freshenv.py``) and check that environment's overlay is the wheel's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from overlay import cli
+from tests.freshenv import build_wheel, install_wheel, make_fresh_env
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _python(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """This interpreter, on this tree's overlay (PYTHONPATH), the startup hook off (conftest)."""
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=240)
+
+
+# -- a program that cannot run: Python's own words ----------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["no_such_module_for_attn_overlay", "json.no_such_submodule", "email"])
+def test_a_module_that_cannot_run_gets_pythons_own_line(module, tmp_path):
+    stock = _python("-m", module, cwd=tmp_path)
+    ours = _python("-m", "overlay.apply", "-m", module, cwd=tmp_path)
+    assert stock.returncode == 1 and stock.stderr.startswith(f"{sys.executable}: No module named ")
+    assert (ours.returncode, ours.stderr) == (stock.returncode, stock.stderr)
+    assert "Traceback" not in ours.stderr
+
+
+@pytest.mark.parametrize("program", ["no_such_program.py", "a_folder_without_main"])
+def test_a_program_that_cannot_run_gets_pythons_own_line(program, tmp_path):
+    (tmp_path / "a_folder_without_main").mkdir()
+    stock = _python(program, cwd=tmp_path)
+    ours = _python("-m", "overlay.apply", program, cwd=tmp_path)
+    assert stock.returncode in (1, 2) and "Traceback" not in stock.stderr
+    assert (ours.returncode, ours.stderr) == (stock.returncode, stock.stderr)
+
+
+def test_an_import_error_inside_the_program_is_still_its_own_traceback(tmp_path):
+    # Only "cannot start it" is turned into Python's line: the program's own failures stay as they are.
+    (tmp_path / "prog.py").write_text("import no_such_module_inside_the_program\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "__main__.py").write_text("import no_such_module_inside_the_program\n")
+    for program in (["prog.py"], ["-m", "pkg"]):
+        stock = _python(*program, cwd=tmp_path)
+        ours = _python("-m", "overlay.apply", *program, cwd=tmp_path)
+        assert ours.returncode == stock.returncode == 1
+        assert "Traceback" in ours.stderr
+        assert ours.stderr.splitlines()[-1] == stock.stderr.splitlines()[-1]
+
+
+# -- -S, not -I --------------------------------------------------------------------------------------
+
+
+def test_only_dash_S_is_blamed_for_a_hook_that_does_not_run(tmp_path):
+    code = "import overlay.cli as c; print(c.why_the_hook_is_inactive())"
+    env = {k: v for k, v in os.environ.items() if k != "ATTN_OVERLAY"}
+    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=dict(env, PYTHONPATH=str(REPO)))
+    why = done.stdout.strip()
+    assert why.startswith("python was started with -S:"), (why, done.stderr)
+    # -I (isolated mode) reads site-packages' .pth files: the hook runs there (checked for real below)
+    assert "or -I" not in why and "-I, isolated mode, does read them" in why
+
+
+def test_the_fallback_flags_keep_dash_S_under_dash_I(monkeypatch):
+    def unavailable():
+        raise AttributeError("no such private helper")
+
+    monkeypatch.setattr(subprocess, "_args_from_interpreter_flags", unavailable)
+    flags = types.SimpleNamespace(no_site=1, isolated=1, ignore_environment=1, no_user_site=1, safe_path=1)
+    monkeypatch.setattr(cli, "sys", types.SimpleNamespace(flags=flags))
+    assert cli.interpreter_flags() == ["-S", "-I"]
+    flags.isolated = 0
+    assert cli.interpreter_flags() == ["-S", "-E", "-s", "-P"]
+
+
+# -- in a fresh environment, as users get it --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
+    env = make_fresh_env(tmp_path_factory.mktemp("venv") / "env")
+    install_wheel(env, wheel)
+    where = env.run("-c", "import overlay, _attn_overlay_startup as s; print(overlay.__file__); print(s.__file__)")
+    assert all(line.startswith(str(env.site_packages)) for line in where.stdout.split()), where.stdout
+    return env
+
+
+def _advice(stderr: str) -> tuple[str, str]:
+    (line,) = [line for line in stderr.splitlines() if line.startswith("attn-overlay: NOT active")]
+    (command,) = re.findall(r"`([^`]+)` checks the result", line)
+    return line, command
+
+
+def _without_overlay_settings() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith("ATTN_OVERLAY")}
+
+
+def test_the_hooks_advice_next_to_a_stray_overlay_py_runs_there(fresh, tmp_path):
+    (tmp_path / "overlay.py").write_text("USERS_OWN = True\n")
+    done = fresh.run("-c", "import transformers", cwd=str(tmp_path))
+    line, command = _advice(done.stderr)
+    assert str(tmp_path / "overlay.py") in line
+    # The command the line gives works in that very folder (`python -m overlay.apply` cannot start
+    # there: -m finds the user's overlay.py first) and says which file is in the way.
+    argv = shlex.split(command)
+    if argv[0] == "attn-overlay":
+        argv[0] = str(fresh.python.parent / "attn-overlay")
+    checked = subprocess.run([*argv, "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                             env=_without_overlay_settings())
+    report = json.loads(checked.stdout)
+    assert report["hook"]["active"] is False and report["hook"]["verified"] is True
+    assert str(tmp_path / "overlay.py") in report["hook"]["reason"] and "Rename" in report["hook"]["reason"]
+
+
+def test_attn_overlay_next_to_a_stray_overlay_py_names_it(fresh, tmp_path):
+    (tmp_path / "overlay.py").write_text("USERS_OWN = True\n")
+    script = str(fresh.python.parent / "attn-overlay")
+    done = subprocess.run([script, "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=_without_overlay_settings())
+    report = json.loads(done.stdout)
+    assert report["hook"]["reason"].startswith(f"`import overlay` finds {tmp_path / 'overlay.py'}, not attn-overlay")
+    # what the patches would reach there, never "applied"
+    assert {row["state"] for row in report["patches"]} == {"inactive"}
+    assert {row["would_be"] for row in report["patches"]} <= {"applied", "fixed upstream", "out of range"}
+    table = subprocess.run([script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env=_without_overlay_settings()).stdout
+    assert f"startup hook: NOT active: `import overlay` finds {tmp_path / 'overlay.py'}" in table
+    assert "except through `python -m overlay.apply" not in table  # that cannot run there either
+
+
+def test_dash_I_keeps_the_hook_active(fresh, tmp_path):
+    report = json.loads(fresh.run("-I", "-m", "overlay.apply", "--json", cwd=str(tmp_path)).stdout)
+    assert report["hook"] == {"active": True, "verified": True, "reason": None}
+
+
+SPAWNING_PROGRAM = textwrap.dedent(
+    """
+    import json, multiprocessing, sys
+
+    def child(queue):
+        import transformers.generation.utils  # noqa: F401  (what a worker does)
+        import overlay
+        queue.put(overlay.is_active())
+
+    if __name__ == "__main__":
+        results = {}
+        for method in sys.argv[1:]:
+            context = multiprocessing.get_context(method)
+            queue = context.Queue()
+            process = context.Process(target=child, args=(queue,))
+            process.start()
+            results[method] = queue.get(timeout=200)
+            process.join(timeout=60)
+            results[method + " exit"] = process.exitcode
+        print(json.dumps(results))
+    """
+)
+
+
+def test_the_program_mode_reaches_spawn_and_forkserver_children(fresh, tmp_path):
+    # ATTN_OVERLAY=0: the hook is off, the program mode is how the user asks for the patches.
+    (tmp_path / "prog.py").write_text(SPAWNING_PROGRAM)
+    done = fresh.run("-m", "overlay.apply", "prog.py", "spawn", "forkserver", cwd=str(tmp_path),
+                     env={"ATTN_OVERLAY": "0"}, timeout=400)
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results == {"spawn": True, "spawn exit": 0, "forkserver": True, "forkserver exit": 0}, done.stderr
