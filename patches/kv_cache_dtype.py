@@ -25,7 +25,7 @@ on (4.55.x by a variant of its own: see "Releases" at the end).
   generate builds the static cache in the model's dtype and its layers cast on write, so stock
   generates (the overlay leaves it as it is: same tokens, nothing reported).
 
-Policy (mode ``align``, the default; ``strict`` and ``off`` below). The target dtype is the
+Policy (mode ``align``, the default; ``check`` and ``off`` below). The target dtype is the
 dtype of the incoming ``key_states``, i.e. the query's compute dtype: it is what attention would
 get with no cache at all (the no-cache forward is the ground truth every cache must reproduce), it
 comes out of the same projections as the query in the same forward, and the query is never cached
@@ -112,7 +112,7 @@ refusal (the model's dtype changed since) notes that too. The price is one call 
 ``torch.compiler.is_dynamo_compiling()`` and one attribute read (under dynamo a refusal cannot be
 caught in the graph, so the dtypes are compared there, at trace time). A refused update whose
 keys matched and values did not has its keys written once more by the slow path (the same states
-at the same positions); in ``strict`` the error then comes after that keys write. When dtypes
+at the same positions); in ``check`` the error then comes after that keys write. When dtypes
 agree, nothing else runs: no copy, no kernel (tests count aten ops with a TorchDispatchMode), and under
 ``torch.compile`` every branch is decided at trace time (dtypes are guarded), so no graph break
 and no recompilation. Offloaded caches take the slow path every step (a few hundred ns, next to
@@ -121,7 +121,7 @@ cast of the layer's returned cache per step on read, and ``overlay.report.record
 (outside compiled regions). The warnings are skipped inside compiled regions (emitting them would
 break the graph); the eager prefill that precedes compiled decoding reports the same mismatch.
 
-Modes: ``strict`` raises :class:`overlay.guard.CacheDtypeError` (an ``AttentionInputError``)
+Modes: ``check`` raises :class:`overlay.guard.CacheDtypeError` (an ``AttentionInputError``)
 naming the layer, the cache tensor and the incoming tensor exactly where ``align`` would warn
 (a cast on read, a static buffer in another dtype than the compute dtype, a rounding write, a
 cross-attention conversion), before anything is written where it can; it never raises where
@@ -458,11 +458,11 @@ def _slow_update(original, static, cache, key_states, value_states, layer_idx, a
         # The first statement of every layer's update: the layer picks its dtypes as always.
         initialise(layer, key_states, value_states)
         if autocast_dtype is None:
-            # Reported when first seen, whichever branch this update takes (strict raises here).
+            # Reported when first seen, whichever branch this update takes (check mode raises here).
             _report_static_mismatch(layer, layer_idx, key_states, value_states, mode, compiling)
         if type(layer).update in casting:
             # 4.55: the layer's own update casts the states to its buffers' dtype, so stock stores them:
-            # nothing is cast here; a narrowing write is reported (strict raises) as where the overlay casts.
+            # nothing is cast here; a narrowing write is reported (check mode raises) as where the overlay casts.
             _to_buffer(layer, layer_idx, "keys", key_states, mode, autocast_dtype, compiling, done, cast=False)
             _to_buffer(layer, layer_idx, "values", value_states, mode, autocast_dtype, compiling, done, cast=False)
         elif _writes_in_place(layer, static, key_states.shape[-2]):
@@ -518,7 +518,7 @@ def _report_static_mismatch(layer, layer_idx, key_states, value_states, mode, co
         stored = getattr(layer, which, None)
         if stored is None or stored.dtype is states.dtype:
             continue
-        if mode == guard.STRICT:
+        if mode == guard.CHECK:
             raise guard.CacheDtypeError(layer, which, stored, states, layer_idx)
         if not compiling:
             guard.warn_cache_cast_once(layer_idx, layer, which, stored.dtype, states.dtype)
@@ -650,7 +650,7 @@ def _to_buffer(layer, layer_idx, which, incoming, mode, autocast_dtype, compilin
         return incoming
     narrows = _narrows(stored.dtype, incoming.dtype, autocast_dtype)
     # A widening cast is exact and silent in every mode (the read side reports what it costs).
-    if narrows and mode == guard.STRICT:
+    if narrows and mode == guard.CHECK:
         raise guard.CacheDtypeError(layer, which, stored, incoming, layer_idx)
     if narrows and not compiling:
         guard.warn_cache_rounding_once(layer_idx, layer, which, stored.dtype, incoming.dtype)
@@ -663,7 +663,7 @@ def _to_buffer(layer, layer_idx, which, incoming, mode, autocast_dtype, compilin
 
 def _hand_back(cache, layer, layer_idx, which, returned, incoming, mode, compiling, done):
     """Read side: what the cache hands back, in the dtype of the incoming states."""
-    if mode == guard.STRICT:
+    if mode == guard.CHECK:
         raise guard.CacheDtypeError(layer if layer is not None else cache, which, returned, incoming, layer_idx)
     if not compiling:
         guard.warn_cache_cast_once(layer_idx, layer if layer is not None else cache, which, returned.dtype, incoming.dtype)
@@ -683,7 +683,7 @@ def _align_cross_layer(cross, layer_idx, key_states, value_states, mode, compili
         stored, dtype = getattr(layer, which, None), states.dtype
         if not isinstance(stored, torch.Tensor) or stored.dtype is dtype or stored.numel() == 0:
             continue
-        if mode == guard.STRICT:
+        if mode == guard.CHECK:
             raise guard.CacheDtypeError(layer, which, stored, states, layer_idx, cache="cross-attention cache")
         converted = stored.to(dtype)
         setattr(layer, which, converted)

@@ -379,6 +379,8 @@ PATCH = Patch(
     ),
     affected=">=5.13.0,<5.20.0",
     fixed_in="5.20.0",
+    # Before 5.13.0 generate never sizes a static cache with the tensor-parallel size: no bug there.
+    introduced_in="5.13.0",
     targets=(
         Target(
             module="transformers.generation.utils",

@@ -259,7 +259,7 @@ def test_no_warning_when_dtypes_match():
 
 def test_strict_mode_raises_naming_layer_and_tensors():
     model = tiny_model("llama", "sdpa")
-    with overlay_on(), guard.using_mode("strict"):
+    with overlay_on(), guard.using_mode("check"):
         with pytest.raises(guard.AttentionInputError) as caught:
             generate(model, past_key_values=static_cache(model, torch.float32))
     message = str(caught.value)
@@ -271,7 +271,7 @@ def test_strict_mode_raises_naming_layer_and_tensors():
 
 def test_strict_mode_names_a_promoting_dynamic_layer():
     model = tiny_model("qwen3", "eager")
-    with overlay_on(), guard.using_mode("strict"):
+    with overlay_on(), guard.using_mode("check"):
         with pytest.raises(guard.AttentionInputError, match=r"KV cache layer 0 \(DynamicLayer\) stores keys in torch.float32"):
             generate(model, past_key_values=fp32_prefix_cache("qwen3", "eager"))
 

@@ -130,7 +130,7 @@ def prefix_cache(kind: str, attn: str, dtype: torch.dtype) -> DynamicCache:
 # -- issue 15.3: plain autocast, generate's default cache ----------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["align", "strict"])
+@pytest.mark.parametrize("mode", ["align", "check"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_plain_autocast_with_the_default_cache_generates_as_stock(kind, attn, mode):
@@ -201,7 +201,7 @@ def test_kept_bfloat16_static_cache_with_a_float32_model_says_precision_is_lost(
     # ... so the logits are those of bfloat16-rounded keys/values, close to but not the float32 run.
     assert not torch.equal(logits, ref_logits)
     torch.testing.assert_close(logits, ref_logits, atol=5e-3, rtol=5e-2)
-    with patch_on(), guard.using_mode("strict"), pytest.raises(guard.CacheDtypeError, match="stores keys in torch.bfloat16"):
+    with patch_on(), guard.using_mode("check"), pytest.raises(guard.CacheDtypeError, match="stores keys in torch.bfloat16"):
         generate(model, past_key_values=_static_cache(model, torch.bfloat16))
 
 
@@ -302,7 +302,7 @@ def test_deep_copied_encoder_decoder_prefix_is_aligned_too():
 
 def test_strict_mode_names_the_cross_attention_cache():
     model = tiny_seq2seq("mvp", torch.bfloat16)
-    with patch_on(), guard.using_mode("strict"):
+    with patch_on(), guard.using_mode("check"):
         with pytest.raises(guard.CacheDtypeError, match=r"cross-attention cache layer 0 \(DynamicLayer\) stores keys in torch.float32"):
             generate_seq2seq(model, float32_encoder_decoder_prefix("mvp"))
 
@@ -665,7 +665,7 @@ def test_a_static_layers_own_runtime_error_is_raised_once_unchanged():
 
 
 @needs_refusing_layer
-@pytest.mark.parametrize("mode", ["strict", "off"])
+@pytest.mark.parametrize("mode", ["check", "off"])
 def test_a_refused_static_write_in_strict_and_off_ends_as_without_the_own_write_check(mode):
     # A layer whose own write checks (bfloat16 buffers, bfloat16 states seen), then float32 states.
     config = tiny_lm("llama", "sdpa", torch.bfloat16).config
@@ -673,8 +673,8 @@ def test_a_refused_static_write_in_strict_and_off_ends_as_without_the_own_write_
         cache = models.static_cache(config, 1, 8, torch.bfloat16, "cpu")
         _static_update(cache, torch.randn(1, 2, 1, 8, dtype=torch.bfloat16), 0)
         assert _own_write_check(cache.layers[0]) is True
-        expected = guard.CacheDtypeError if mode == "strict" else RuntimeError
-        match = r"layer 0 \(StaticLayer\) stores keys in torch.bfloat16" if mode == "strict" else re.escape(INDEX_COPY_ERROR)
+        expected = guard.CacheDtypeError if mode == "check" else RuntimeError
+        match = r"layer 0 \(StaticLayer\) stores keys in torch.bfloat16" if mode == "check" else re.escape(INDEX_COPY_ERROR)
         with pytest.raises(expected, match=match):
             _static_update(cache, torch.randn(1, 2, 1, 8, dtype=torch.float32), 1)
     assert not cache.layers[0].keys[:, :, 1].any()  # the refused keys were never written

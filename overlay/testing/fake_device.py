@@ -248,9 +248,11 @@ def cache_root() -> Path:
     ``$XDG_CACHE_HOME/attn-overlay``, else ``~/.cache/attn-overlay`` (the XDG base-directory
     convention: a relative ``XDG_CACHE_HOME`` is ignored). Only the fake device's C++ library is
     stored there; ``pip uninstall`` does not remove it."""
-    explicit = os.environ.get("ATTN_OVERLAY_CACHE_DIR")
+    from overlay import config
+
+    explicit = config.cache_dir()  # the settings table's ATTN_OVERLAY_CACHE_DIR, ~ expanded
     if explicit:
-        return Path(os.path.expanduser(explicit))
+        return Path(explicit)
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "attn-overlay"
