@@ -12,4 +12,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "executorch_cache_dtype",
     "kept_static_cache",
     "chunked_prefill",
+    "dynamic_cache_reset",
 )
