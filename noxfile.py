@@ -3,6 +3,8 @@
     nox                     # what CI runs (tag "ci"): the suite on 5.18.0 + the representative lanes
     nox -t matrix           # every release lane, 4.55.4 ... 5.24.0 (the full matrix)
     nox -s neuron-stack     # the Neuron stack's torch 2.8.0 + transformers 4.57.6 (large download)
+    nox -t pythons          # the torch-free tests on CPython 3.10 ... 3.13 (each must be on PATH;
+                            # pyenv: PYENV_VERSION=3.11.7:3.10.13:3.12.1:3.13.0 nox -t pythons)
     nox -s tf-5.20.0        # one lane;  nox -s tf-5.20.0 -- -k device   passes pytest arguments
     nox -s tests            # the whole suite on 5.18.0
     nox -s tf-5.20.0 --install-only   # build a lane's environment, run nothing
@@ -109,6 +111,43 @@ def tests(session: nox.Session) -> None:
     """The whole test suite on the release the project is developed against."""
     _install(session, matrix_data.FULL_SUITE_RELEASE, share_torch=False)
     session.run("python", "-m", "pytest", "-ra", "--durations=10", *session.posargs, env=TEST_ENV)
+
+
+#: The test modules that never import torch: the engine on throwaway packages, the startup hook
+#: and the packaging in fresh environments, the import layering and the README tables. They run on
+#: every CPython the package supports (``requires-python``), not only on the one this machine has
+#: a torch wheel for.
+TORCH_FREE_TESTS = (
+    "tests/test_engine.py",
+    "tests/test_engine_in_force.py",
+    "tests/test_call_forwarding.py",
+    "tests/test_layering.py",
+    "tests/test_readme_tables.py",
+    "tests/test_startup_hook.py",
+    "tests/test_packaging.py",
+)
+#: One lane per CPython from requires-python's floor to the newest one tested (the classifiers
+#: in pyproject.toml name the same versions).
+PYTHON_LANES = ("3.10", "3.11", "3.12", "3.13")
+
+# A lane whose interpreter is not on this machine fails, saying so: nox's default outside CI
+# skips it, and a skipped session reads like a pass. download_python="never" (below): a missing
+# interpreter is reported, never fetched.
+nox.options.error_on_missing_interpreters = True
+
+
+@nox.session(name="python_lanes", python=PYTHON_LANES, download_python="never", tags=["pythons"])
+def python_lanes(session: nox.Session) -> None:
+    """The torch-free tests, on one CPython per session (python_lanes-3.10 ... -3.13).
+
+    transformers is installed without torch: the startup-hook tests see the hook start the engine
+    on ``import transformers``, and the patches' modules (they import torch) stay pending. The
+    patches themselves are proved where torch is (``tests`` and the release lanes, on 3.11)."""
+    # No `.[test]`: its accelerate requires torch, a multi-GB download on these Pythons.
+    session.install("pytest>=8", "hypothesis>=6", "build", "uv", "setuptools>=77",
+                    f"transformers=={matrix_data.FULL_SUITE_RELEASE}", "-e", str(REPO))
+    session.chdir(REPO)
+    session.run("python", "-m", "pytest", "-ra", *TORCH_FREE_TESTS, *session.posargs, env=TEST_ENV)
 
 
 @nox.session(name="neuron-stack", tags=["stacks"])

@@ -18,19 +18,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.freshenv import REPO, make_fresh_env
+from tests.freshenv import REPO, HarnessCommandFailed, fresh_env_can_import, make_fresh_env
 
+#: transformers.cache_utils (kv-cache-dtype's module) imports torch: where a fresh environment
+#: cannot import torch (the torch-free lanes, ``nox -s python_lanes``) the program imports
+#: ``transformers`` itself, which starts the engine, and kv-cache-dtype rightly stays pending.
+PATCHABLE = fresh_env_can_import("torch", "transformers")
 STATUS = (
-    "import json, transformers.cache_utils, overlay.engine as e; "
+    f"import json, {'transformers.cache_utils' if PATCHABLE else 'transformers'}, overlay.engine as e; "
     "print(json.dumps({'active': e.is_active(), 'states': {s.id: s.state for s in e.status()}}))"
 )
 
 
 def _build(out: Path, *what: str) -> None:
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-m", "build", "--no-isolation", *what, "--outdir", str(out), str(REPO)],
-        check=True, capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600,
     )
+    if done.returncode != 0:
+        raise HarnessCommandFailed(done, "(python -m build --no-isolation needs build and setuptools>=77 in the "
+                                         "test runner: pip install build 'setuptools>=77')")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +99,7 @@ def test_an_install_from_the_sdist_has_an_active_hook(dists, tmp_path, installer
     assert (env.site_packages / "attn_overlay.pth").is_file()
     result = json.loads(env.run("-c", STATUS).stdout.strip().splitlines()[-1])
     assert result["active"] is True
-    assert result["states"]["kv-cache-dtype"] == "applied"
+    assert result["states"]["kv-cache-dtype"] == ("applied" if PATCHABLE else "pending")
 
 
 def _dry_run(python: Path, *requirements: str, tmp_path: Path) -> list[dict]:
