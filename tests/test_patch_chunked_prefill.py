@@ -39,7 +39,6 @@ beam search on 4.55 - 4.57) the overlay's output is bit for bit stock's.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 
@@ -105,21 +104,12 @@ def _label_names(label: str, release: Version) -> bool:
     return Version(low) <= Version(release.base_version) <= Version(high)
 
 
-def _present_targets() -> list:
-    """``(target, the release's own function)`` for each target this release defines."""
-    found = []
-    for target in PATCH.patch.targets:
-        func = target.stock(importlib.import_module(target.module))
-        if func is not None:
-            found.append((target, func))
-    return found
-
 
 # -- the patch data ---------------------------------------------------------------------------------
 
 
 def test_fingerprint_of_installed_code_is_known_with_the_right_label():
-    present = _present_targets()
+    present = PATCH.present_targets()
     # One chunked prefill per release: _prefill_chunking (4.55 - 4.57) or _prefill (5.0.0rc1 on).
     assert [target.qualname for target, _ in present] == [
         _module().QUALNAME if CHUNKS_THE_WHOLE_PROMPT else _module().CHUNKING_QUALNAME
@@ -167,7 +157,7 @@ def test_declared_errors_are_the_ones_stock_raises_here(runs):
 def test_replacement_keeps_signature_docstring_and_wraps_the_original():
     if not AFFECTED:
         pytest.skip("the replacements are built for the originals 4.55.0 - 5.2.0 only")
-    ((target, original),) = _present_targets()
+    ((target, original),) = PATCH.present_targets()
     replacement = target.build(original)
     assert replacement.__wrapped__ is original
     assert replacement.__doc__ == original.__doc__ and replacement.__name__ == original.__name__

@@ -20,7 +20,6 @@ keeps the release's own ``reset``.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import pytest
@@ -67,21 +66,12 @@ def _label_names(label: str, release: Version) -> bool:
     return Version(low) <= Version(release.base_version) <= Version(high or low)
 
 
-def _present_targets() -> list:
-    """``(target, the release's own function)`` for each target this release defines."""
-    found = []
-    for target in PATCH.patch.targets:
-        func = target.stock(importlib.import_module(target.module))
-        if func is not None:
-            found.append((target, func))
-    return found
-
 
 # -- the patch data ---------------------------------------------------------------------------------
 
 
 def test_installed_code_is_a_known_variant_with_the_right_label():
-    present = _present_targets()
+    present = PATCH.present_targets()
     assert [target.qualname for target, _ in present][0] == "DynamicLayer.reset"
     for target, func in present:
         digest = fingerprint(func)
@@ -111,7 +101,7 @@ def test_patch_module_imports_neither_torch_nor_transformers():
 
 
 def test_replacements_keep_name_docstring_and_signature():
-    for target, stock in _present_targets():
+    for target, stock in PATCH.present_targets():
         # Built by hand for the fixed code too (5.18.0+): only the wrapper's metadata is read here.
         variant = target.variant_of(stock) or Variant("this release", {"forget": None, "original_after": True})
         replacement = target.replace(stock, variant)

@@ -28,7 +28,6 @@ prints the results as JSON; the tests read them.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import warnings
 from pathlib import Path
@@ -71,18 +70,9 @@ KV_CACHE_DTYPE = PatchUnderTest("kv_cache_dtype").affected
 # -- the patch data -----------------------------------------------------------------------------
 
 
-def _present_targets():
-    """(target, the release's own function) for each target this release defines."""
-    found = []
-    for target in PATCH.patch.targets:
-        func = target.stock(importlib.import_module(target.module))
-        if func is not None:
-            found.append((target, func))
-    return found
-
 
 def test_installed_code_is_a_known_variant():
-    present = _present_targets()
+    present = PATCH.present_targets()
     assert present, f"transformers {TRANSFORMERS_VERSION} defines none of the patch's targets"
     for target, func in present:
         digest = fingerprint(func)
@@ -96,7 +86,7 @@ def test_installed_code_is_a_known_variant():
 
 def test_variant_params_agree_with_where_the_bugs_are():
     # What the replacement is told about this release's code agrees with what stock does here.
-    present = _present_targets()
+    present = PATCH.present_targets()
     if not AFFECTED:  # fixed upstream: the code is no original of any variant, and stock is fine
         assert not (POISON_BUG or DEVICE_BUG or DTYPE_BUG)
         assert all(target.variant_of(func) is None for target, func in present)
@@ -110,7 +100,7 @@ def test_variant_params_agree_with_where_the_bugs_are():
 
 
 def test_replacement_keeps_name_docstring_and_signature():
-    for target, stock in _present_targets():
+    for target, stock in PATCH.present_targets():
         # Built by hand for whichever code this release ships (also the fixed code: only the
         # wrapper's metadata is checked here).
         variant = target.variant_of(stock) or Variant("this release", {"device_argument": None, "layer_ready": None})

@@ -112,6 +112,16 @@ class PatchUnderTest:
             raise AttributeError(f"{spec.key} does not exist in transformers {self.transformers}")
         return func
 
+    def present_targets(self) -> list:
+        """``(target, the release's own function)`` for each of the patch's targets this release
+        defines (optional ones may be absent), in declaration order."""
+        found = []
+        for spec in self.patch.targets:
+            func = spec.stock(importlib.import_module(spec.module))
+            if func is not None:
+                found.append((spec, func))
+        return found
+
     @contextlib.contextmanager
     def applied(self, *also: str, expect: str | None = None, strict: bool | None = None) -> Iterator[dict]:
         """Apply this patch (and the patch ids in ``also``) through the engine for a block,
