@@ -288,13 +288,10 @@ def test_strict_mode_makes_a_real_import_raise_through_the_startup_hook(strict):
         assert "not applied" in done.stderr
 
 
-def test_a_release_older_than_every_patch_gets_one_summary_line(monkeypatch):
+def test_a_release_older_than_every_patch_gets_one_summary_line():
     from overlay import cli
 
-    monkeypatch.setattr(engine, "installed_transformers_version", lambda: "4.40.0")
-    report = cli.build_report(verify=False)
-    assert {row["state"] for row in report["patches"]} == {engine.INACTIVE}
-    # What the patches would be there, as the verification would find them: out of range, all.
+    # What the patches are there, as the verification would find them: out of range, all.
     states = {engine.gate(p, "4.40.0")[0] for p in engine.known_patches()}
     assert states == {engine.OUT_OF_RANGE}
     line = cli._older_than_every_patch("4.40.0", states)
