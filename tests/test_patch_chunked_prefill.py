@@ -43,12 +43,11 @@ import inspect
 import re
 
 import pytest
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 import overlay
 from overlay.patch import fingerprint
-from overlay.testing.harness import PatchUnderTest, heavy_imports
+from overlay.testing.harness import PatchUnderTest, label_names, heavy_imports
 
 PATCH = PatchUnderTest("chunked_prefill")
 PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
@@ -95,13 +94,6 @@ def _numbers_blurred(text: str) -> str:
     return re.sub(r"\d+", "N", text)
 
 
-def _label_names(label: str, release: Version) -> bool:
-    """Whether a release label ("5.0.0-5.2.0", "5.0.0rc1") names ``release``: a range by release
-    number (5.0.0rc3 ships 5.0.0's code), a single prerelease exactly."""
-    low, _, high = label.partition("-")
-    if not high:
-        return Version(low) == release
-    return Version(low) <= Version(release.base_version) <= Version(high)
 
 
 
@@ -122,19 +114,11 @@ def test_fingerprint_of_installed_code_is_known_with_the_right_label():
     else:
         assert FIXED_UPSTREAM and digest in target.fixed
         label = target.fixed[digest]
-    assert _label_names(label, TRANSFORMERS_VERSION), label
+    assert label_names(label, TRANSFORMERS_VERSION), label
 
 
 def test_declared_labels_agree_with_the_version_range():
-    patch = PATCH.patch
-    affected = SpecifierSet(patch.affected)
-    for target in patch.targets:
-        for label in (variant.label for variant in target.originals.values()):
-            for bound in label.split("-"):
-                assert affected.contains(Version(bound), prereleases=True), label
-        for label in target.fixed.values():
-            for bound in label.split("-"):
-                assert Version(bound) >= Version(patch.fixed_in), label
+    PATCH.assert_labels_within_range()
 
 
 def test_patch_module_imports_neither_torch_nor_transformers():

@@ -23,12 +23,11 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 import overlay
 from overlay.patch import PATCH_MARKER, Variant, fingerprint
-from overlay.testing.harness import PatchUnderTest, heavy_imports
+from overlay.testing.harness import PatchUnderTest, label_names, heavy_imports
 
 PATCH = PatchUnderTest("dynamic_cache_reset")
 PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
@@ -59,11 +58,6 @@ LAYER_ACTION = "emptied a reset dynamic cache layer"
 INDEXER_ACTION = "emptied a reset indexer key cache"
 
 
-def _label_names(label: str, release: Version) -> bool:
-    """Whether a label ("4.57.0-5.3.0") names ``release`` (a release candidate of 5.0.0 ships
-    the code of the range that holds 5.0.0)."""
-    low, _, high = label.partition("-")
-    return Version(low) <= Version(release.base_version) <= Version(high or low)
 
 
 
@@ -81,19 +75,11 @@ def test_installed_code_is_a_known_variant_with_the_right_label():
         else:
             assert FIXED_UPSTREAM and digest in target.fixed, f"{target.key}: unknown fixed code {digest}"
             label = target.fixed[digest]
-        assert _label_names(label, TRANSFORMERS_VERSION), (target.key, label)
+        assert label_names(label, TRANSFORMERS_VERSION), (target.key, label)
 
 
 def test_declared_labels_agree_with_the_version_range():
-    patch = PATCH.patch
-    affected = SpecifierSet(patch.affected)
-    for target in patch.targets:
-        for label in (variant.label for variant in target.originals.values()):
-            for bound in label.split("-"):
-                assert Version(bound) in affected, label
-        for label in target.fixed.values():
-            for bound in label.split("-"):
-                assert Version(bound) >= Version(patch.fixed_in), label
+    PATCH.assert_labels_within_range()
 
 
 def test_patch_module_imports_neither_torch_nor_transformers():

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 
 from ..patch import Patch
 
-__all__ = ["PatchUnderTest", "run_json_worker", "assert_generated", "heavy_imports", "counting_aten_ops"]
+__all__ = ["PatchUnderTest", "label_names", "run_json_worker", "assert_generated", "heavy_imports", "counting_aten_ops"]
 
 # The accelerator a patch's error text names, e.g. "cuda:0" or "neuron:0": error(device=) swaps it.
 _DEVICE_IN_TEXT = re.compile(r"\b(?:cuda|neuron|xla|mps|hpu|xpu|npu):\d+")
@@ -122,6 +122,21 @@ class PatchUnderTest:
                 found.append((spec, func))
         return found
 
+    def assert_labels_within_range(self) -> None:
+        """Every release a variant's label names is in ``affected``; every release a fixed label
+        names is ``fixed_in`` or later."""
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import Version
+
+        affected = SpecifierSet(self.patch.affected)
+        for spec in self.patch.targets:
+            for label in (variant.label for variant in spec.originals.values()):
+                for bound in label.split("-"):
+                    assert affected.contains(Version(bound), prereleases=True), label
+            for label in spec.fixed.values():
+                for bound in label.split("-"):
+                    assert Version(bound) >= Version(self.patch.fixed_in), label
+
     @contextlib.contextmanager
     def applied(self, *also: str, expect: str | None = None, strict: bool | None = None) -> Iterator[dict]:
         """Apply this patch (and the patch ids in ``also``) through the engine for a block,
@@ -147,6 +162,18 @@ class PatchUnderTest:
         if device is not None:
             text = _DEVICE_IN_TEXT.sub(str(device), text, count=1)
         return text
+
+
+def label_names(label: str, release: Any) -> bool:
+    """Whether a release label (``"5.0.0-5.2.0"``, ``"5.0.0rc1"``) names ``release`` (a
+    ``packaging`` Version): a range by release number (5.0.0rc3 ships 5.0.0's code), a single
+    prerelease exactly."""
+    from packaging.version import Version
+
+    low, _, high = label.partition("-")
+    if not high and Version(low).is_prerelease:
+        return Version(low) == release
+    return Version(low) <= Version(release.base_version) <= Version(high or low)
 
 
 def _environment(extra: "dict[str, str] | None") -> dict:
