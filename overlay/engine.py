@@ -558,9 +558,11 @@ def status() -> list[PatchStatus]:
     with _engine.lock:
         if not _engine.records:
             version = installed_transformers_version()
+            patches = known_patches()
+            disabled = config.disabled_patch_ids([p.id for p in patches])  # read once, not per patch
             out = []
-            for patch in known_patches():
-                record = _initial_record(patch, version, config.disabled_patch_ids([p.id for p in known_patches()]))
+            for patch in patches:
+                record = _initial_record(patch, version, disabled)
                 reason = _engine.startup_error or "overlay not activated in this process"
                 out.append(replace(record.status, state=INACTIVE, reason=f"{reason}; would be: {record.status.state} ({record.status.reason})"))
             return out
