@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import threading
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,6 +25,7 @@ import _attn_overlay_startup  # noqa: E402,F401 -- the .pth line's import (lanes
 names, start = sys.argv[1].split(","), sys.argv[2]
 together = threading.Barrier(len(names)) if start == "barrier" else None
 errors = {}
+raised_in = {}  # name -> "file:function" of the frame that raised (the innermost one)
 
 
 def import_one(name):
@@ -33,6 +35,8 @@ def import_one(name):
         importlib.import_module(name)
     except BaseException as exc:  # noqa: BLE001 -- reported, the test decides
         errors[name] = f"{type(exc).__name__}: {exc}"
+        frames = traceback.extract_tb(exc.__traceback__)
+        raised_in[name] = f"{frames[-1].filename}:{frames[-1].name}" if frames else "?"
 
 
 if start == "sequential":
@@ -57,6 +61,7 @@ for name in ["transformers", *sorted({patch.module for patch in overlay.known_pa
 
 result = {
     "errors": errors,
+    "raised_in": raised_in,
     "late_errors": late_errors,
     "states": {s.id: s.state for s in overlay.status()},
     "reasons": {s.id: s.reason for s in overlay.status()},

@@ -75,17 +75,29 @@ def concurrent_runs() -> list[tuple[list[str], str, dict]]:
 # two; every target module at once behind a barrier, 8 runs of 8), with "partially initialized
 # module" or, when the other thread finished in between, without it.
 STOCK_RACE = re.compile(r"^ImportError: cannot import name '\w+' from (partially initialized module )?'transformers[.\w]*'")
+# Its second-hand form: a thread found a parent package in sys.modules, then the thread importing
+# that package failed (above) and Python removed it, and the import system's own lookup of the
+# parent raises (seen on stock 5.0.0, every target module behind a barrier: 2 runs of 18, as often
+# with the overlay; CPython's _find_and_load_unlocked reads sys.modules[parent] unguarded).
+STOCK_PARENT_GONE = re.compile(r"^KeyError: 'transformers[.\w]*'$")
+IMPORT_SYSTEM = "<frozen importlib._bootstrap>:_find_and_load_unlocked"
 
 
-def _assert_only_stock_import_races(errors: dict, case: str) -> None:
+def _assert_only_stock_import_races(result: dict, case: str) -> None:
+    errors, raised_in = result["errors"], result["raised_in"]
+    first_hand = {name for name, error in errors.items() if STOCK_RACE.match(error)}
     for name, error in errors.items():
-        assert STOCK_RACE.match(error) and "overlay" not in error.replace("attn-overlay", ""), (case, name, error)
+        assert "overlay" not in error.replace("attn-overlay", ""), (case, name, error)
+        if name in first_hand:
+            continue
+        assert STOCK_PARENT_GONE.match(error) and raised_in[name] == IMPORT_SYSTEM, (case, name, error, raised_in[name])
+        assert first_hand, (case, name, error, "a parent package vanished, but no thread's import of it failed")
 
 
 def test_every_patch_ends_in_its_honest_state_whatever_the_import_order(honest, concurrent_runs):
     for names, start, result in concurrent_runs:
         case = f"{start}: {names}"
-        _assert_only_stock_import_races(result["errors"], case)
+        _assert_only_stock_import_races(result, case)
         assert result["late_errors"] == {}, case  # the program goes on: every module imports
         assert result["activation_error"] is None, case
         assert result["states"] == honest["states"], (case, result["reasons"])
@@ -95,7 +107,7 @@ def test_every_patch_ends_in_its_honest_state_whatever_the_import_order(honest, 
 def test_strict_mode_raises_nothing_when_every_patch_applies(honest, start):
     result = _run(["transformers", "transformers.cache_utils", "transformers.generation.utils"], start,
                   env={"ATTN_OVERLAY_STRICT": "1"})
-    _assert_only_stock_import_races(result["errors"], start)
+    _assert_only_stock_import_races(result, start)
     assert result["late_errors"] == {} and result["activation_error"] is None, result
     assert result["states"] == honest["states"], result["reasons"]
 
@@ -110,3 +122,25 @@ def test_float32_static_cache_generates_after_the_reported_race(honest):
     runs = result["generate"]
     assert isinstance(runs["torch.bfloat16"], list), runs
     assert runs["torch.float32"] == runs["torch.bfloat16"]
+
+
+@pytest.mark.parametrize(
+    "errors, raised_in, tolerated",
+    [
+        ({"a": "ImportError: cannot import name 'x' from partially initialized module 'transformers.utils'"}, {"a": "m.py:f"}, True),
+        ({"a": "ImportError: cannot import name 'x' from 'transformers.utils'", "b": "KeyError: 'transformers.generation'"},
+         {"a": "m.py:f", "b": IMPORT_SYSTEM}, True),
+        ({"b": "KeyError: 'transformers.generation'"}, {"b": IMPORT_SYSTEM}, False),  # no first-hand failure
+        ({"a": "ImportError: cannot import name 'x' from 'transformers.utils'", "b": "KeyError: 'transformers.generation'"},
+         {"a": "m.py:f", "b": "overlay/engine.py:_activate"}, False),  # raised outside the import system
+        ({"a": "AttributeError: module 'transformers' has no attribute 'x'"}, {"a": "m.py:f"}, False),
+        ({"a": "ImportError: cannot import name 'x' from 'transformers.utils' (overlay)"}, {"a": "m.py:f"}, False),
+    ],
+)
+def test_only_stocks_own_import_races_are_tolerated(errors, raised_in, tolerated):
+    result = {"errors": errors, "raised_in": raised_in}
+    if tolerated:
+        _assert_only_stock_import_races(result, "case")
+    else:
+        with pytest.raises(AssertionError):
+            _assert_only_stock_import_races(result, "case")
