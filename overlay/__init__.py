@@ -17,30 +17,13 @@ Most users never call these: the startup hook installed with the package activat
 overlay in every process when transformers is first imported (``ATTN_OVERLAY=0`` turns it off).
 """
 
-import os as _os
-
+from . import _patch_files
 from ._version import __version__
 
-# In a source tree (a clone, `PYTHONPATH=.`, an editable install) the patch files sit in
-# `patches/` beside this package; the built wheel installs them as `overlay/patches/`. Either way
-# they are the subpackage `overlay.patches`: put the source tree's folder on this package's
-# search path, once, only when the installed layout is absent. Costs two stat calls.
-_here = __path__[0]
-if not _os.path.isdir(_os.path.join(_here, "patches")):
-    _beside = _os.path.join(_os.path.dirname(_here), "patches")
-    if _os.path.isfile(_os.path.join(_beside, "__init__.py")):
-        import importlib.util as _util
-        import sys as _sys
-
-        _spec = _util.spec_from_file_location(
-            __name__ + ".patches", _os.path.join(_beside, "__init__.py"), submodule_search_locations=[_beside]
-        )
-        patches = _util.module_from_spec(_spec)
-        _sys.modules[_spec.name] = patches
-        _spec.loader.exec_module(patches)
-        del _util, _sys, _spec
-    del _beside
-del _here
+# The patch files are the subpackage `overlay.patches` in both layouts (installed: overlay/patches/;
+# a source tree: patches/ beside this package, mapped by _patch_files): mapped here so that a plain
+# `import overlay.patches.<name>` works. Costs two stat calls.
+_patch_files.mount()
 
 __all__ = [
     "apply",

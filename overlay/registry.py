@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
-
+from . import _patch_files
 from .patch import Patch
 
 
 def load_patches() -> tuple[Patch, ...]:
-    from . import patches as package
-
+    package = _patch_files.package()
     found: list[Patch] = []
     seen: set[str] = set()
     for name in package.PATCH_MODULES:
-        module = importlib.import_module(f"{package.__name__}.{name}")
+        module = _patch_files.module(name)
         patch = getattr(module, "PATCH", None)
         if not isinstance(patch, Patch):
             raise TypeError(f"{module.__name__} must define PATCH = overlay.patch.Patch(...)")

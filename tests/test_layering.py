@@ -9,7 +9,8 @@ Floors, top to bottom:
   2  the patch files: ``overlay.patches`` (data and replacements; they import leaves only)
   1  leaves: ``overlay.patch`` (the patch format and the verdict),
      ``overlay.report``, ``overlay.guard``, ``overlay.tree_move``, ``overlay.call_forwarding``,
-     ``overlay._version`` (and the startup module ``_attn_overlay_startup``)
+     ``overlay._version``, ``overlay._patch_files`` (where the patch files are, in either layout)
+     (and the startup module ``_attn_overlay_startup``)
   0  the settings table: ``overlay.config`` (imports nothing of the package; the guard reads its mode there)
 A module imports only modules on lower floors. The one exception is a subpackage's own modules
 (``overlay.doctor._runner`` importing ``overlay.doctor._scenarios``): one unit, one floor.
@@ -34,7 +35,7 @@ FLOORS = {
     "overlay.config": 0,
     "overlay.patch": 1, "overlay.report": 1, "overlay.guard": 1, "overlay.tree_move": 1,
     "overlay.call_forwarding": 1,
-    "overlay._version": 1, "_attn_overlay_startup": 1,
+    "overlay._version": 1, "overlay._patch_files": 1, "_attn_overlay_startup": 1,
 }
 #: Subpackages whose modules may import each other (one unit on one floor).
 UNITS = ("overlay.doctor", "overlay.testing", "overlay.patches")
@@ -109,3 +110,24 @@ def test_the_drawing_catches_an_arrow_along_a_floor():
     # importing a sibling floor's module, is refused.
     assert _floor("overlay.engine") > _floor("overlay.registry") > _floor("overlay.patches.device_move")
     assert not any(_in("overlay.engine", unit) and _in("overlay.registry", unit) for unit in UNITS)
+
+
+def test_the_registry_finds_the_patch_files_itself():
+    # The source tree's patches/ is mapped as overlay.patches by a floor-1 module that the
+    # registry calls, not by the facade: with the facade's mapping undone, the registry still
+    # loads every patch file. (-S: no site, so no editable-install finder and no startup hook.)
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import overlay\n"
+        "for name in [n for n in sys.modules if n.startswith('overlay.patches')]: del sys.modules[name]\n"
+        "vars(overlay).pop('patches', None)\n"
+        "from overlay.registry import load_patches\n"
+        "print(','.join(p.id for p in load_patches()))\n"
+    )
+    out = subprocess.run([sys.executable, "-S", "-c", script, str(REPO)], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stderr
+    from overlay.registry import load_patches
+
+    assert out.stdout.strip() == ",".join(p.id for p in load_patches())

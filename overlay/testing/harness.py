@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+from .. import _patch_files
 from ..patch import Patch
 
 __all__ = ["PatchUnderTest", "label_names", "run_json_worker", "assert_generated", "heavy_imports", "counting_aten_ops"]
@@ -49,7 +50,7 @@ class PatchUnderTest:
     patch: Patch = field(init=False)
 
     def __post_init__(self) -> None:
-        patch = importlib.import_module(f"overlay.patches.{self.module}").PATCH
+        patch = _patch_files.module(self.module).PATCH
         object.__setattr__(self, "patch", patch)
 
     @property
@@ -59,7 +60,7 @@ class PatchUnderTest:
     @property
     def patch_module(self):
         """The patch file's module (``overlay.patches.<module>``)."""
-        return importlib.import_module(f"overlay.patches.{self.module}")
+        return _patch_files.module(self.module)
 
     @property
     def transformers(self):
