@@ -14,7 +14,7 @@ A lane is a virtual environment with one transformers release, torch 2.13.0 (CPU
 project (editable), where the patch reproductions and the matrix tests run: on an affected
 release every bug reproduces without the overlay and is fixed with it; on a fixed release the
 patch reports "fixed upstream" and changes nothing. Which release expects what comes from
-``scripts/matrix_data.py``, the same data as the README table.
+``scripts/matrix_data.py``, the same data as the release table (docs/releases.md).
 
 torch is installed once, into ``.nox/_shared/``, and every lane sees it through a path line in
 its site-packages: a lane costs transformers and a few small packages, not 800 MB of torch.

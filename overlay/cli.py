@@ -433,7 +433,7 @@ def _hand_down_to_children(strict: bool) -> None:
     patches. Where the startup hook is installed, ``ATTN_OVERLAY=1`` (and ``ATTN_OVERLAY_STRICT=1``
     in strict mode) in the environment they inherit makes it activate the overlay there too, as in
     this process. Where it is not (``-S``, an editable install, ``pip install --target``), the
-    children run unpatched: they must call ``overlay.apply()`` themselves (README, "Turning it off").
+    children run unpatched: they must call ``overlay.apply()`` themselves (README, "The switches").
     Forked children inherit this process's patches as they are.
     """
     os.environ[config.ENABLE_VAR] = "1"

@@ -1,5 +1,6 @@
-"""README.md's two tables, the fixes and the release matrix, are generated from the patch files
-(scripts/readme_table.py), and `--check` fails when either is stale."""
+"""The generated tables, README.md's fixes and docs/releases.md's release matrix, come from the patch
+files (scripts/readme_table.py), and `--check` fails when either is stale; README.md's claims about
+a pinned stack's release match the matrix; docs/benchmarks.md is generated from its data."""
 
 from __future__ import annotations
 
@@ -43,14 +44,15 @@ def test_fixes_table_has_a_row_per_listed_patch_from_its_own_fields():
 
 
 def test_check_fails_on_a_stale_table_and_the_script_repairs_it(tmp_path, capsys):
-    current = readme_table.render_readme(readme_table.README.read_text(encoding="utf-8"))
     title = readme_table.cell(PATCHES[0].title)
-    for stale in (
-        current.replace(f"| {title} |", "| an old title |", 1),  # the fixes table
-        current.replace("| 5.13.0 | applied |", "| 5.13.0 | out of range |", 1),  # the release table
+    for document, old, new in (
+        (readme_table.README, f"| {title} |", "| an old title |"),  # the fixes table
+        (readme_table.RELEASES_DOC, "| 5.13.0 | applied |", "| 5.13.0 | out of range |"),  # the release table
     ):
+        current = readme_table.render_readme(document.read_text(encoding="utf-8"))
+        stale = current.replace(old, new, 1)
         assert stale != current
-        readme = tmp_path / "README.md"
+        readme = tmp_path / document.name
         readme.write_text(stale, encoding="utf-8")
         assert readme_table.main(["--check", "--readme", str(readme)]) == 1
         assert "stale" in capsys.readouterr().err
@@ -58,6 +60,20 @@ def test_check_fails_on_a_stale_table_and_the_script_repairs_it(tmp_path, capsys
         assert readme_table.main(["--readme", str(readme)]) == 0
         assert readme.read_text(encoding="utf-8") == current
         assert readme_table.main(["--check", "--readme", str(readme)]) == 0
+
+
+def test_each_document_holds_its_tables():
+    readme = readme_table.README.read_text(encoding="utf-8")
+    releases = readme_table.RELEASES_DOC.read_text(encoding="utf-8")
+    assert readme_table.FIXES_START in readme and readme_table.SETTINGS_START in readme
+    assert readme_table.START in releases and readme_table.START not in readme
+
+
+def test_a_document_without_any_table_is_an_error(tmp_path, capsys):
+    empty = tmp_path / "notes.md"
+    empty.write_text("# no tables here\n", encoding="utf-8")
+    assert readme_table.main(["--check", "--readme", str(empty)]) == 2
+    assert "holds no generated table" in capsys.readouterr().err
 
 
 def test_a_readme_without_the_markers_is_an_error(tmp_path):
@@ -85,3 +101,25 @@ def test_a_pipe_in_a_field_does_not_split_the_row():
     patch = dataclasses.replace(PATCHES[0], title="a | b", errors=("x | y",))
     row = readme_table.render_fixes(patches=[patch]).splitlines()[-1]
     assert row.replace("\\|", "").count("|") == 6  # five cells
+
+
+def test_the_readmes_pinned_stack_example_says_what_the_matrix_says():
+    # "Then `python -m overlay.apply` says, for that release: `a`, `b` … applied; `c` and `d` out
+    # of range": the example's release is the one its requirements pin.
+    import re
+
+    text = readme_table.README.read_text(encoding="utf-8")
+    section = text.split("## Install it on a pinned stack", 1)[1].split("\n## ", 1)[0]
+    release = re.search(r"^transformers==(\S+)$", section, re.M).group(1)
+    said = re.search(r"says, for that release:(.*?)\.\n", section, re.S).group(1)
+    applied_part, _, rest = said.partition("applied;")
+    out_of_range_part = rest.split("out of range")[0]
+    table = matrix_data.matrix([release], PATCHES)[release]
+    assert set(re.findall(r"`([\w-]+)`", applied_part)) == {p for p, s in table.items() if s == matrix_data.APPLIED}
+    assert set(re.findall(r"`([\w-]+)`", out_of_range_part)) == {p for p, s in table.items() if s == matrix_data.OUT_OF_RANGE}
+
+
+def test_the_benchmarks_page_is_generated_from_its_data(capsys):
+    import benchmarks_doc
+
+    assert benchmarks_doc.main(["--check"]) == 0, capsys.readouterr().err
