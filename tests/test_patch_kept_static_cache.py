@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from overlay.patch import Variant, fingerprint
-from overlay.testing.harness import PatchUnderTest, label_names, assert_generated, heavy_imports, run_json_worker
+from overlay.patch import Variant
+from overlay.testing.harness import PatchUnderTest, label_names, assert_generated, run_json_worker
 
 PATCH = PatchUnderTest("kept_static_cache")
 PATCH_ID = PATCH.id
@@ -71,19 +71,6 @@ KV_CACHE_DTYPE = PatchUnderTest("kv_cache_dtype").affected
 
 
 
-def test_installed_code_is_a_known_variant():
-    present = PATCH.present_targets()
-    assert present, f"transformers {TRANSFORMERS_VERSION} defines none of the patch's targets"
-    for target, func in present:
-        digest = fingerprint(func)
-        if AFFECTED:
-            assert digest in target.originals, f"transformers {TRANSFORMERS_VERSION}: unknown original {digest}"
-        elif FIXED_UPSTREAM:
-            assert digest in target.fixed, f"transformers {TRANSFORMERS_VERSION}: unknown fixed code {digest}"
-        else:
-            pytest.fail(f"transformers {TRANSFORMERS_VERSION} predates the releases this patch covers (4.55.0+)")
-
-
 def test_variant_params_agree_with_where_the_bugs_are():
     # What the replacement is told about this release's code agrees with what stock does here.
     present = PATCH.present_targets()
@@ -108,10 +95,6 @@ def test_replacement_keeps_name_docstring_and_signature():
         assert replacement.__wrapped__ is stock
         assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
         assert inspect.signature(replacement) == inspect.signature(stock)
-
-
-def test_patch_module_imports_neither_torch_nor_transformers():
-    assert heavy_imports("overlay.patches.kept_static_cache") == []
 
 
 # -- the real failure and fix, in a subprocess with the fake device -------------------------------

@@ -1,0 +1,57 @@
+"""Every patch's declarations, checked the same way for each (one parametrized test per check, on
+every lane): the installed release's code of each target is a fingerprint the patch declares, with
+a label that names this release (an original where the release is affected, fixed code where it is
+at or after ``fixed_in``); every label lies inside the patch's own range; the patch file imports
+neither torch nor transformers. What a single patch's replacement does is its own test file's."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+import pytest
+from packaging.version import Version
+
+from overlay import _patch_files, engine
+from overlay.patch import fingerprint
+from overlay.registry import load_patches
+from overlay.testing.harness import PatchUnderTest, heavy_imports, label_names
+
+pytestmark = pytest.mark.lane
+
+TRANSFORMERS = Version(version("transformers"))
+MODULES = {patch.id: name for patch, name in zip(load_patches(), _patch_files.package().PATCH_MODULES)}
+
+
+def _under_test(module: str) -> PatchUnderTest:
+    return PatchUnderTest(module)
+
+
+@pytest.mark.parametrize("module", list(MODULES.values()), ids=list(MODULES))
+def test_installed_code_is_a_declared_fingerprint_labelled_with_this_release(module):
+    under_test = _under_test(module)
+    patch = under_test.patch
+    state, reason = engine.gate(patch, str(TRANSFORMERS))
+    if state == engine.OUT_OF_RANGE:
+        pytest.skip(f"{patch.id}: {reason}")
+    present = under_test.present_targets()
+    assert present, f"transformers {TRANSFORMERS} defines none of {patch.id}'s targets"
+    for target, func in present:
+        digest = fingerprint(func)
+        if state == engine.PENDING:  # affected: the code must be an original the patch knows
+            assert digest in target.originals, f"{target.key}: unknown original {digest}"
+            label = target.originals[digest].label
+        else:
+            assert state == engine.FIXED_UPSTREAM, (state, reason)
+            assert digest in target.fixed, f"{target.key}: unknown fixed code {digest}"
+            label = target.fixed[digest]
+        assert label_names(label, TRANSFORMERS), (target.key, label)
+
+
+@pytest.mark.parametrize("module", list(MODULES.values()), ids=list(MODULES))
+def test_every_label_lies_inside_the_patchs_range(module):
+    _under_test(module).assert_labels_within_range()
+
+
+@pytest.mark.parametrize("module", list(MODULES.values()), ids=list(MODULES))
+def test_patch_file_imports_neither_torch_nor_transformers(module):
+    assert heavy_imports(f"overlay.patches.{module}") == []
