@@ -81,12 +81,25 @@ class Target:
     """The qualified name of another function in the same module whose presence makes this target
     unnecessary (it is that release's entry point, patched by another target): where it exists this
     target counts as absent, so declare ``optional`` too."""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """The variant parameters this target's replacement reads, each with the value most variants
+    have: a variant states only where its code differs, so a new parameter is one entry here plus
+    one in the variant that needs another value, not an edit of every variant. Once declared, a
+    variant naming a parameter that is not here is refused (a typo cannot pass for a default)."""
 
     def __post_init__(self) -> None:
-        variants = {
-            digest: variant if isinstance(variant, Variant) else Variant(variant)
-            for digest, variant in self.originals.items()
-        }
+        variants = {}
+        for digest, variant in self.originals.items():
+            variant = variant if isinstance(variant, Variant) else Variant(variant)
+            if self.defaults:
+                unknown = sorted(set(variant.params) - set(self.defaults))
+                if unknown:
+                    raise ValueError(
+                        f"{self.module}:{self.qualname}: variant {variant.label!r} sets {', '.join(map(repr, unknown))}, "
+                        f"which the target's defaults do not declare ({', '.join(map(repr, self.defaults)) or 'none'})"
+                    )
+                variant = Variant(variant.label, {**self.defaults, **variant.params})
+            variants[digest] = variant
         object.__setattr__(self, "originals", variants)
 
     @property

@@ -1,0 +1,34 @@
+"""The patch format's own rules (``overlay.patch``), independent of any release."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlay.patch import Target, Variant
+
+
+def _target(originals, **defaults):
+    return Target(module="m", qualname="f", originals=originals, replace=lambda original, variant: original, defaults=defaults)
+
+
+def test_a_variant_reads_the_targets_defaults_where_it_states_nothing():
+    target = _target({"a" * 64: Variant("1.0.0"), "b" * 64: Variant("2.0.0", {"late": True})}, late=False, width=8)
+    old, new = target.originals["a" * 64], target.originals["b" * 64]
+    assert (old["late"], old["width"]) == (False, 8)
+    assert (new["late"], new["width"]) == (True, 8)
+    assert target.originals["a" * 64].label == "1.0.0"
+
+
+def test_a_label_string_is_a_variant_with_the_defaults():
+    assert _target({"a" * 64: "1.0.0"}, late=False).originals["a" * 64]["late"] is False
+
+
+def test_a_parameter_the_defaults_do_not_declare_is_refused():
+    with pytest.raises(ValueError, match=r"variant '2.0.0' sets 'lat', which the target's defaults do not declare \('late'\)"):
+        _target({"b" * 64: Variant("2.0.0", {"lat": True})}, late=False)
+
+
+def test_without_defaults_a_missing_parameter_is_named():
+    variant = _target({"a" * 64: Variant("1.0.0", {"late": True})}).originals["a" * 64]
+    with pytest.raises(KeyError, match="variant '1.0.0' declares no parameter 'width'"):
+        variant["width"]
