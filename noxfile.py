@@ -3,6 +3,7 @@
     nox                     # what CI runs (tag "ci"): the suite on 5.18.0 + the representative lanes
     nox -t matrix           # every release lane, 4.55.4 ... 5.24.0 (the full matrix)
     nox -s neuron-stack     # the Neuron stack's torch 2.8.0 + transformers 4.57.6 (large download)
+    nox -s newest           # maintainers: the newest transformers on the index, what each patch meets there
     nox -t pythons          # the torch-free tests on CPython 3.10 ... 3.13 (each must be on PATH;
                             # pyenv: PYENV_VERSION=3.11.7:3.10.13:3.12.1:3.13.0 nox -t pythons)
     nox -s tf-5.20.0        # one lane;  nox -s tf-5.20.0 -- -k device   passes pytest arguments
@@ -158,6 +159,23 @@ def neuron_stack(session: nox.Session) -> None:
     release, torch = matrix_data.NEURON_STACK
     _install(session, release, share_torch=False, torch=torch)
     session.run("python", "-m", "pytest", "-ra", "--durations=10", *LANE_SELECTION, *session.posargs, env=TEST_ENV)
+
+
+@nox.session(tags=["maintainers"])
+def newest(session: nox.Session) -> None:
+    """The newest transformers release on the package index, whatever the matrix holds: per patch,
+    what the overlay would say there (applied, fixed upstream, unrecognised code), read from the
+    release's wheel by scripts/fingerprint_release.py (no install: a new release may need
+    dependencies the index lacks), with the tool's advice. Exits 1 when the release needs work:
+    follow CONTRIBUTING.md ("Adding a transformers release")."""
+    session.install("-e", str(REPO))
+    listing = session.run("python", "-m", "pip", "index", "versions", "transformers", silent=True, external=False)
+    if not listing:  # --install-only: nothing to report
+        return
+    newest_release = listing.split("(", 1)[1].split(")", 1)[0]  # "transformers (5.25.0)"
+    known = "in the matrix" if newest_release in matrix_data.RELEASES else "not in the matrix yet"
+    session.log(f"newest transformers on the index: {newest_release} ({known})")
+    session.run("python", str(REPO / "scripts" / "fingerprint_release.py"), "--check", newest_release, *session.posargs)
 
 
 def _make_lane(release: str):
