@@ -366,7 +366,7 @@ def _diagnose(
             cause,
         )
     if dtype_mismatch and mode == ALIGN and not _autocast_enabled(query.device):
-        # The query carries the compute dtype (see patches/kv_cache_dtype.py for why).
+        # The query carries the compute dtype (docs/patches/kv-cache-dtype.md says why).
         if key.dtype != query.dtype:
             key = key.to(query.dtype)
         if value.dtype != query.dtype:
@@ -375,7 +375,7 @@ def _diagnose(
 
 
 # -- the cache side --------------------------------------------------------------------------
-# Used by patches/kv_cache_dtype.py (whose docstring is the one explanation of the policy).
+# Used by patches/kv_cache_dtype.py (the policy: docs/patches/kv-cache-dtype.md).
 
 #: (kind, which, stored dtype, other dtype) tuples already warned about in this process.
 _warned_casts: set[tuple[str, str, str, str]] = set()

@@ -1,112 +1,45 @@
 """A guard at the attention entry: q, k, v must go together, or the error says which one does not.
 
-What breaks: when query, key and value reach an attention kernel on different devices, in
+What breaks (no transformers release up to 5.24.0 validates attention inputs at dispatch; covered
+from 4.55.0 on): when query, key and value reach an attention kernel on different devices, in
 different dtypes or with incompatible shapes, the user gets a raw kernel error from deep inside
 torch ("Expected all tensors to be on the same device ...", "Expected query, key, and value to
 have the same dtype ...", "expected scalar type ... but found ...", "query and key must have the
 same dtype", a matmul shape error) that names neither the layer nor the tensor at fault.
 
-Where the guard sits, and why: every attention layer of 5.1.0 on that dispatches through the
-attention registry calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
-eager_attention_forward)`` right before calling the kernel with ``(module, query, key, value,
-...)``. ``get_interface`` is the one place that sees both the registered kernels (sdpa,
-flash_attention_2/3/4, flex_attention, paged variants, anything registered by users or kernels
-hub) *and* each model's own ``eager_attention_forward`` (passed as ``default``): wrapping the
-registry's entries instead would miss eager, which is why the dtype fix itself lives in
-``Cache.update`` (patch ``kv-cache-dtype``) and this guard only names problems (and, in ``align``,
-casts what still differs). The replacement calls the original ``get_interface`` and hands back
-the kernel behind a wrapper; what the wrapper does depends on the kernel and the mode:
+Policy: the guard sits where every attention layer that dispatches through the registry gets its
+kernel, ``AttentionInterface.get_interface`` (5.1.0 on: the one place that sees the registered
+kernels *and* each model's own ``eager_attention_forward``), and hands back the kernel behind a
+wrapper. The dtype fix itself lives in ``Cache.update`` (patch ``kv-cache-dtype``); this guard
+names problems, and in ``align`` casts what still differs:
+- transformers' own kernels, ``align`` (the default): the kernel runs unchecked; only when it
+  raises does :func:`overlay.guard.diagnose_kernel_error` look at q, k, v: a dtype mismatch alone
+  is cast to the query's dtype and the kernel called once more, any other problem raises
+  :class:`overlay.guard.AttentionInputError` chained to the kernel's error, and if q, k, v go
+  together the kernel's own error is re-raised unchanged;
+- any other callable (users' or kernels hub's), every kernel in ``check``, and every kernel under
+  ``torch.compile`` (decided at trace time): :func:`overlay.guard.check_attention_inputs` runs
+  before the call (``align`` casts, ``check`` raises; on devices and shapes both raise);
+- ``off``: the kernel unwrapped. Under autocast dtypes are left to autocast.
 
-- **transformers' own kernels, mode ``align``** (module-level functions of ``transformers.*``:
-  ``sdpa_attention_forward``, the flash/flex/paged kernels, every model's eager function): the
-  wrapper calls the kernel and checks nothing first. These kernels reject mismatched q, k, v
-  themselves (torch's SDPA, matmul, flash-attn and flex check devices, dtypes and shapes), so the
-  check runs only when the kernel raises (``RuntimeError``, ``ValueError``, ``TypeError``,
-  ``IndexError``, ``AssertionError``): :func:`overlay.guard.diagnose_kernel_error` looks at q, k,
-  v; a dtype mismatch alone is fixed (key/value cast to the query's dtype, kernel called once
-  more); any other problem raises :class:`overlay.guard.AttentionInputError` chained to the
-  kernel's error; if q, k, v go together the kernel's own error is re-raised unchanged. A kernel
-  that accepts mismatched inputs behaves as on stock. Calling the kernel again is safe because
-  these kernels do not modify q, k, v, and they reject their inputs before computing; the paged
-  kernels write the incoming states into the paged cache before they can fail, at precomputed
-  slots, so a second call writes the same values to the same slots (and their cache-side
-  mismatches are not visible in the q, k, v the guard sees: their error is re-raised unchanged).
-  These wrappers are built once per kernel (and once more for the shape of the kernel's first
-  call, see "Cost") and kept: the kernels are module attributes of transformers, alive for the
-  whole process anyway.
-- **any other callable** (registered by users or kernels hub, closures, callable objects,
-  ``functools.partial``), and **every kernel in ``check``**: nothing is known of what such a
-  kernel accepts, so :func:`overlay.guard.check_attention_inputs` runs before the call, as in the
-  guard's first version (``align`` casts, ``check`` raises, on devices and shapes both raise).
-  Such wrappers are built per call and never stored: the guard holds no reference to a user's
-  function (an attention function registered per model load can capture the model), and
-  callables that are not hashable (a ``@dataclass`` with ``__call__``) work.
-- **``off``**: ``get_interface`` returns the kernel unwrapped.
-- **under ``torch.compile``** (dynamo tracing, told apart by :func:`_compiling`, a function that
-  returns False when run and that dynamo replaces with one returning True): every kernel gets the
-  check before the call, decided at trace time (no graph break, no op when q, k, v agree, no
-  recompilation); exceptions raised by a kernel on fake tensors cannot be caught in the graph.
-  In ``check`` the named error is raised while tracing; with ``fullgraph=True`` dynamo reports it
-  as its own "Observed exception" error, which quotes the guard's message on torch 2.13 and names
-  only ``AttentionInputError`` on torch 2.8 (without ``fullgraph`` the frame runs eagerly and
-  raises the named error itself).
+Releases: 5.1.0 - 5.18.0 and 5.19.0 - 5.24.0 (``paged|`` prefix) are two variants of
+``get_interface``; 4.55.0 - 5.0.0 have none, and the second target replaces the registry lookup,
+``AttentionInterface.__getitem__`` (inherited from ``GeneralInterface``, set on
+``AttentionInterface`` only, deleted again by a revert), with the same wrappers.
 
-Under autocast dtypes are left to autocast (see ``overlay/guard.py``).
+Limits: eager on 4.55.0 - 5.0.0 is not guarded (the models call their ``eager_attention_forward``
+directly; the default ``sdpa`` goes through the registry). Not covered: models that index
+``ALL_ATTENTION_FUNCTIONS[...]`` directly from 5.1.0 (SAM-family vision models, one Qwen2.5-Omni
+branch) and models that write their attention inline (24 with a KV cache in 5.18.0: XLM,
+ProphetNet, LED, MPT, ...; T5, Falcon, ... before 5.1.0); ``kv-cache-dtype`` still aligns their
+cache dtypes. Covered: 326 of 500 model folders in 5.18.0, every current decoder LLM.
 
-Releases: 5.1.0 and later, where ``get_interface`` exists (5.1.0 - 5.18.0 ship one code, 5.19.0 -
-5.24.0 another, with the ``paged|`` prefix: two variants), and 4.55.0 - 5.0.0, which have no
-``get_interface``: there every attention layer that dispatches through the registry does
-``attention_interface = eager_attention_forward; if self.config._attn_implementation != "eager":
-attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]`` (a few SAM-family
-models of 5.0.0 index ``ALL_ATTENTION_FUNCTIONS["sdpa"]``). The one place that sees every kernel
-those layers get is the registry lookup, ``AttentionInterface.__getitem__``, which ``AttentionInterface``
-inherits from ``GeneralInterface`` (one code, ``GeneralInterface.__getitem__``, in 4.55.0 - 5.24.0).
-The patch's second target replaces it (:func:`_replace_registry_lookup`): set on
-``AttentionInterface`` itself, never on ``GeneralInterface`` (the mask-function registry and the
-others keep their lookup), only where ``get_interface`` does not exist (``Target.unless``: from
-5.1.0 ``get_interface`` is the dispatch point and the lookup is left alone), and deleted again by a
-revert, so the class is left exactly as stock (``Target.inherited_from``). It hands out the same
-wrappers as ``get_interface``'s replacement, in the same cases (transformers' kernels in ``align``,
-the check before the call for other callables, in ``check`` and under ``torch.compile``, ``off``
-unwrapped). Every reader of the registry goes through that lookup, not only the attention layers:
-subscripts, ``.get``, ``items()`` and ``values()`` give the guard's wrappers of the very same
-callables (``in``, ``keys()``, ``valid_keys()`` and ``len`` answer as on stock), and an entry copied within the
-registry through it (executorch's ``register("sdpa_without_vmap", ALL_ATTENTION_FUNCTIONS["sdpa"])``)
-stores the wrapper, which the lookup hands back as the kernel's one wrapper, never a wrapper of a
-wrapper. A revert cannot take such a copy back out of the registry: until it is registered again it
-stays the guarded kernel (which computes what the kernel computes).
+Cost when nothing needs fixing (transformers' kernels, ``align``), per attention call: the
+registry lookup, one mode read, one call of :func:`_compiling`, one dict lookup keyed by the
+kernel and one wrapper frame, calling the kernel with the model's keywords spelled out; no tensor
+is read, copied or checked.
 
-Eager on 4.55.0 - 5.0.0 is **not guarded**: the models call their own ``eager_attention_forward``
-directly, without the registry, and nothing the overlay patches sees that call; a mismatched q, k,
-v there fails with the kernel's own error, exactly as on stock. The KV-cache side,
-``kv-cache-dtype``, still aligns the dtypes the cache hands back on the releases it covers (see its
-docstring), eager included. The default ``attn_implementation`` of those releases is ``sdpa`` for every
-model that supports it, which goes through the registry: the default path is guarded.
-
-Coverage, honestly: the modeling files of 326 of the 500 model folders of 5.18.0 (357 of 532 in
-5.24.0) dispatch this way, every current decoder LLM among them (Llama, Qwen*, Gemma*, Mistral,
-...). Not covered: models that index ``ALL_ATTENTION_FUNCTIONS[...]`` directly (SAM-family vision
-models, one Qwen2.5-Omni branch) and the 24 models of 5.18.0 that use a KV cache but write their
-attention inline (XLM, ProphetNet, LED, MPT, ...). There the cache side (``kv-cache-dtype``) still
-aligns dtypes; only the named error for device/shape problems is missing. On 4.55.0 - 5.0.0 the
-modeling files of 138 of the 355 folders under ``models/`` in 4.55.4 (164 of 383 in 4.57.6, 211 of
-412 in 5.0.0) index the registry, every decoder LLM above among them (and Bart, Whisper, GPT-2,
-OPT, ...), SAM's direct ``ALL_ATTENTION_FUNCTIONS["sdpa"]`` included; covered for every
-implementation but eager (see "Releases"). Not covered there: eager, and the models that write
-their attention inline (T5, Falcon, ...).
-
-Cost when nothing needs fixing (transformers' kernels, ``align``): per attention call, the
-registry lookup (done by the replacement itself for ``AttentionInterface``, with fewer calls than
-the original makes, see :func:`_replace_get_interface`), one mode read, one call of
-:func:`_compiling`, one dict lookup keyed by the kernel, and one wrapper frame; no tensor is
-read, copied or checked. The wrapper frame is the wrapper built for the model's call shape after
-the kernel's first call (:func:`_wrapper_for_kernel`, :mod:`overlay.call_forwarding`): the
-kernel is called with the model's keywords spelled out, not through ``*args, **kwargs``, which
-costs CPython about 1,800 instructions less per call (3,500 against 1,700 on top of the kernel). Figure 7 of ``scripts/bench``
-times it against stock, figure 8 counts its instructions. On 4.55.0 - 5.0.0 the replaced lookup
-reads the two dicts itself (the inherited lookup's own body, inlined) and adds the mode read, one
-call of :func:`_compiling` and the dict lookup keyed by the kernel; the wrapper frame around the
-kernel is the same.
+The full account (every case, coverage per release, costs): docs/patches/attention-guard.md.
 """
 
 from __future__ import annotations

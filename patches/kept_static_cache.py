@@ -1,85 +1,42 @@
 """A static cache kept on the model across ``generate()`` calls is rebuilt when the model moved,
 or when a failed call left it half-initialised.
 
-Where the code is: up to 5.14.1 ``generate()`` keeps the static cache on the model (``self._cache``,
-"will persist across calls"): ``GenerationMixin._get_cache`` on 4.55 - 5.0.0,
-``GenerationMixin._prepare_static_cache`` (the same logic, renamed) on 5.1.0 - 5.14.1. It builds a
-new cache only when the batch size, the maximum length or offloading change (4.55: the cache class);
-otherwise it resets the old one and hands it back. Two bugs follow.
+Up to 5.14.1 ``generate()`` keeps the static cache on the model (``self._cache``):
+``GenerationMixin._get_cache`` on 4.55 - 5.0.0, ``GenerationMixin._prepare_static_cache`` (the
+same logic, renamed) on 5.1.0 - 5.14.1. It builds a new cache only when the batch size, the
+maximum length or offloading change (4.55: the cache class); otherwise it resets the old one and
+hands it back. Two bugs follow; 5.15.0 builds a new static cache on every call (fixed upstream).
 
-1. The model moved (4.55.4 - 5.14.1). A model that generated once with
-   ``cache_implementation="static"`` on the host (or in float32) and is then moved with
-   ``model.to(device)`` (or ``model.to(torch.bfloat16)``) generates again into the old cache, whose
-   tensors are still on the host (or in float32)::
+1. The model moved (4.55.4 - 5.14.1). After ``model.to(device)`` or ``model.to(torch.bfloat16)``
+   a static ``generate()`` writes into the old cache, still on the host or in float32:
+   ``index_copy_(): self, index and source expected to be in the same device`` (4.56 on),
+   ``index_copy_(): self and source expected to have the same dtype``, or on 4.55 (whose layers
+   cast on write) SDPA's ``Expected query, key, and value to have the same dtype``.
+2. A failed call poisons the model (4.56.2 - 5.12.1). The layers allocate their tensors, and set
+   ``max_batch_size``, on their first write; a static ``generate()`` that fails before every
+   layer was written once (an id outside the vocabulary, an out-of-memory error or Ctrl-C in the
+   prefill) leaves the kept cache half-initialised, and every later static ``generate()`` fails
+   in the reuse check until the model is reloaded:
+   ``AttributeError: 'StaticLayer' object has no attribute 'max_batch_size'``.
 
-       RuntimeError: index_copy_(): self, index and source expected to be in the same device, but
-       got (self) cpu, (index) cpu, and (source) fakeaccel:0
-       (4.56 - 5.3, where the write positions come from generate(): "(index) fakeaccel:0")
-       RuntimeError: index_copy_(): self and source expected to have the same dtype, but got
-       (self) Float and (source) BFloat16
-       RuntimeError: Expected query, key, and value to have the same dtype, but got query.dtype:
-       c10::BFloat16 key.dtype: float and value.dtype: float instead.
+Policy: the replacement wraps the original (no copied code), the same wrapper for both functions.
+Before calling it, it drops ``self._cache`` when the model's device or dtype differs from those
+the kept cache was built for (stamped on the cache when the wrapped function hands it out; an
+unstamped cache is judged by its first allocated layer's keys), or (4.56.2 - 5.12.1) when any
+self-attention layer its reuse check reads was never fully initialised, as the release tells it.
+The release's own code then builds a fresh cache exactly as on a first call. When the kept cache
+is fine the original runs untouched and hands back the same cache object, so the reuse that
+spares ``torch.compile`` a recompilation is kept.
 
-   The device error from 4.56 on (4.56 made the layers allocate lazily, from the first keys they
-   see, and dropped the move-to-the-keys'-device that 4.55's eagerly allocated layers make on
-   write); the dtype error on every release of the range (4.55's layers cast the new states to the
-   cache's float32 on write, so it is SDPA that fails there, on the float32 keys and values). With
-   ``kv-cache-dtype`` active (where it applies) the dtype case runs, but casts the whole float32
-   cache for the bfloat16 query on every step.
-2. A failed call poisons the model (4.56.2 - 5.12.1). The cache's layers allocate their tensors,
-   and set ``max_batch_size``, on their first write. A static ``generate()`` that fails before
-   every layer was written once (an input id outside the vocabulary fails before any; an
-   out-of-memory error or Ctrl-C in the prefill leaves the layers after it unwritten) leaves the
-   kept cache half-initialised, and the next call's reuse check (``Cache.max_batch_size`` reads it
-   from every layer) fails, on every later static ``generate()`` until the model is reloaded::
+Limits: a cache passed in by the user (``past_key_values=``) is theirs, never kept on the model,
+and never touched. The device check is skipped for a model spread over several devices; a cache
+built under autocast may be rebuilt once (what 5.15.0 does on every call anyway).
 
-       AttributeError: 'StaticLayer' object has no attribute 'max_batch_size'
+Cost: reading ``self.device`` and ``self.dtype`` once per ``generate()`` call, on 4.55 binding the
+call's arguments, and on 4.56.2 - 5.12.1 a look at each cache layer's attributes; nothing per
+decoding step.
 
-   (``'StaticSlidingWindowLayer'``, 4.56: ``'SlidingWindowLayer'``, when the first unwritten layer
-   is a sliding one). A failure between a layer's two allocations poisons 4.56's ``reset()`` the same
-   way (keys allocated, values ``None``). 4.55 allocates the layers when it builds the cache, so
-   nothing is half-built; 5.13.0 - 5.14.1 ask ``Cache.batch_size``, which skips the layers that
-   were never written (``-1`` when none was: a new cache), and re-initialise such layers on their
-   next write: not affected.
-
-5.15.0 builds a new static cache on every call (and keeps only the largest length, to avoid
-recompilations), so neither can happen there: its code is recorded as "fixed".
-
-What the replacement does: it wraps the original (no copied code), the same wrapper for both
-functions. Before calling it, it drops ``self._cache`` when
-
-- the model's device or dtype differs from those the kept cache was built for: the cache is
-  stamped with them (an attribute on the cache object) when the wrapped function hands it out;
-  4.55 builds the cache on the ``device`` argument (the inputs' device), which is what is stamped
-  there. A kept cache without a stamp (built before the overlay was applied in this process) is
-  judged by its first allocated layer: its keys must be on the model's device, in the model's
-  dtype (the device check is skipped for a model spread over several devices, where layers
-  legitimately live on different ones; a cache built under autocast may be rebuilt once, which is
-  what 5.15.0 does on every call anyway);
-- (4.56.2 - 5.12.1) any of the layers its reuse check reads (the self-attention ones) was never
-  fully initialised, as the release tells it (4.56: both tensors allocated; 4.57+:
-  ``is_initialized``, and the ``max_batch_size`` the check reads, which linear-attention layers
-  have no flag for): what the release's own check and ``reset()`` would trip on. (An unwritten
-  cross-attention layer is no trouble there: the check reads only that half's length, and the
-  layer initialises on its next write.)
-
-The release's own code then builds a fresh cache exactly as it does on a first call (lazy or early
-initialisation, encoder-decoder caches, offloading, 4.55's cache classes: all as shipped). When the
-kept cache is fine the original runs untouched and hands back the same cache object, so the reuse
-that spares ``torch.compile`` a recompilation is kept. What differs between the releases (4.55's
-``device`` argument, how a layer tells it is initialised, whether the release trips on such layers)
-is each variant's ``params``.
-
-Cost: reading ``self.device`` and ``self.dtype`` (the first parameter) once per ``generate()``
-call, on 4.55 binding the call's arguments, and on 4.56.2 - 5.12.1 a look at each cache layer's
-attributes; nothing per decoding step. Not covered: a cache passed in by the user
-(``past_key_values=``) is theirs, never kept on the model, and never touched.
-
-Tested (``tests/test_patch_kept_static_cache.py``, in the lanes 4.55.4 - 5.12.1 and on 5.18.0):
-tiny Llama and Gemma 3 for the device and dtype cases and a call failing before any write (an id
-outside the vocabulary), Llama, Gemma 3 and T5 for a call failing in the second layer's prefill;
-stock fails where stated above, the overlay generates the ids of a fresh model and reuses the
-rebuilt cache on the next call.
+The full account (each release, the stamp, how it is tested): docs/patches/kept-static-cache.md.
 """
 
 from __future__ import annotations

@@ -1,198 +1,45 @@
 """KV cache dtype alignment: attention gets the compute dtype, and no precision stock keeps is lost.
 
 What breaks (every transformers release from 4.55.0 to 5.24.0 at least; nothing upstream aligns
-dtypes): a KV cache whose dtype differs from the states the model writes to it. Covered: 4.55.0
-on (4.55.x by a variant of its own: see "Releases" at the end).
+dtypes; covered from 4.55.0 on): a KV cache whose dtype differs from the states the model writes
+to it. A float32 ``StaticCache`` (user-built, reused from a float32 run, or allocated by generate
+under ``torch.autocast``) meets bfloat16 states and ``StaticLayer.update`` fails in
+``index_copy_`` ("self and source expected to have the same dtype"); a ``DynamicCache`` or
+``EncoderDecoderCache`` prefilled in float32, then decoded in bfloat16, hands attention float32
+keys and values for a bfloat16 query: SDPA "Expected query, key, and value to have the same
+dtype", eager "expected scalar type ... but found ...", FlashAttention-2 "query and key must have
+the same dtype".
 
-- A user-built ``StaticCache`` early-initialised in float32 (or reused from a float32 run) passed
-  to a bfloat16 model: ``StaticLayer.update`` fails in ``index_copy_`` ("self and source expected
-  to have the same dtype"). On 4.55.x the layer casts the states to its buffer's dtype before
-  writing, and attention fails on the float32 cache it hands back instead (SDPA "Expected query,
-  key, and value to have the same dtype", eager "expected scalar type Float but found BFloat16").
-- A ``DynamicCache`` prefilled in float32 (a shared prompt prefix computed once), then bfloat16
-  decoding: ``torch.cat`` promotes the cache to float32, and attention then gets a bfloat16 query
-  with float32 key/value: SDPA "Expected query, key, and value to have the same dtype", eager
-  "expected scalar type ... but found ...", FlashAttention-2 "query and key must have the same
-  dtype" (its integration only casts float32 *queries*).
-- The same with an ``EncoderDecoderCache``: after the first step encoder-decoder models read the
-  cross-attention cache directly (``cross_attention_cache.layers[i].keys``), never through
-  ``Cache.update``, so a float32 cross-attention cache meets a bfloat16 query.
-- ``torch.autocast`` around ``generate()`` with a static cache: rotary embeddings make keys
-  float32 while values stay bfloat16; 4.56.0-5.23.0 allocate the value cache in the key dtype
-  (``index_copy_`` error), with or without ``prefill_chunk_size``; 5.24.0 allocates each in its
-  own dtype, but with ``prefill_chunk_size`` generate (5.13.0 on) initialises the cache early in
-  the model's dtype (float32) and the bfloat16 values fail the same way. Not a bug on 4.55.x:
-  generate builds the static cache in the model's dtype and its layers cast on write, so stock
-  generates (the overlay leaves it as it is: same tokens, nothing reported).
+Policy (mode ``align``, the default). The target dtype is the dtype of the incoming
+``key_states``, i.e. the query's compute dtype: what attention would get with no cache at all.
+1. Read side, every cache updated through ``Cache.update``: the keys handed back are cast to it
+   when they differ (the values too, when they come in the keys' dtype), with a one-time
+   :class:`overlay.guard.KVCacheDtypeWarning` naming the layer and the two dtypes.
+2. Write side, only static layers (fixed buffers, whose in-place writes refuse another dtype):
+   the new states are cast to the buffer's dtype, after the layer's own lazy initialisation; a
+   narrowing write warns that PRECISION IS LOST. Dynamic layers are left alone on write:
+   ``torch.cat`` promotes the cache to the wider dtype, exactly as stock.
+3. Cross-attention caches (``EncoderDecoderCache``, read directly by the models): layer ``i`` is
+   converted once, in place, by the same decoder layer's self-attention ``Cache.update`` whenever
+   that update is not on the fast path.
+4. Under ``torch.autocast`` dtypes are autocast's business: only the write into a static layer is
+   cast (stock would fail in ``index_copy_``), nothing is reported.
+``check`` raises :class:`overlay.guard.CacheDtypeError` exactly where ``align`` would warn; ``off``
+passes everything through as stock.
 
-Policy (mode ``align``, the default; ``check`` and ``off`` below). The target dtype is the
-dtype of the incoming ``key_states``, i.e. the query's compute dtype: it is what attention would
-get with no cache at all (the no-cache forward is the ground truth every cache must reproduce), it
-comes out of the same projections as the query in the same forward, and the query is never cached
-so it cannot be stale.
+Limits: not covered are a layer's ``update`` called directly (``DynamicCache(ddp_cache_data)``,
+dynamic layers only), other direct reads of cached tensors (Mllama's cross-attention layers:
+``attention-guard`` aligns them), caches that override ``Cache.update`` without calling it
+(OLMo-Hybrid's on 5.13.x, the paged cache of continuous batching) and quantized layers; a
+cross-attention cache whose self-attention cache already holds states in the compute dtype is not
+converted (3). Out of scope: models that keep some projections in float32 (model precision).
 
-1. Read side, every cache updated through ``Cache.update``: the keys handed back are cast to the
-   dtype of the incoming ``key_states`` when they differ, the values to the dtype of the incoming
-   ``value_states`` when they differ and those come in the keys' dtype (outside autocast, values
-   in another dtype than keys and query are a model-precision matter: left as on stock). A
-   one-time :class:`overlay.guard.KVCacheDtypeWarning` names the layer, the two dtypes and the
-   cost (a transient copy of that layer's cache per step).
-2. Write side, only where stock cannot store the states: static layers (``StaticLayer`` and
-   every subclass: ``StaticSlidingWindowLayer``; 4.55's and 4.56's ``SlidingWindowLayer`` and
-   ``ChunkedSlidingLayer``) hold fixed buffers (their addresses are what
-   ``torch.compile``/cudagraphs and exported programs hold), and their in-place writes
-   (``index_copy_``, ``index_put_``) refuse another dtype, so the new states are cast to the
-   buffer's dtype there, after the layer's own lazy initialisation (run first, exactly as the
-   layer's ``update`` would, so the layer picks its dtypes as it always did). The sliding layers'
-   other branches (``torch.cat`` of a window filling up or overflowing in one update, and 4.56's
-   ``copy_`` of a prompt longer than the window) work on stock and are left as stock. 4.55's
-   ``StaticLayer`` and ``SlidingWindowLayer`` cast the states to their buffers' dtype themselves
-   (stock stores them): nothing is cast there, only a narrowing write is reported as below (with
-   the read side, stock's rounded states now reach attention where stock failed); 4.55's
-   ``ChunkedSlidingLayer`` does not cast and is written in place while its window has room, as
-   4.56's. A widening cast (bfloat16 states into a float32 buffer) is exact and silent;
-   the read side reports the copy. A narrowing one (float32 states into a bfloat16 buffer: a
-   float32 model, or ``model.float()``, with a kept bfloat16 static cache) rounds every new
-   state: a second warning says that PRECISION IS LOST, not only that a copy is made, and how to
-   keep it (build the cache in the compute dtype). Under autocast, narrowing to the autocast dtype
-   loses nothing attention would not drop anyway and is silent.
-   Dynamic layers are left alone on write: ``torch.cat`` promotes the cache to the wider dtype,
-   which loses nothing, and that is exactly what stock does. (This patch used to cast writes to
-   the cache's dtype instead: a float32 model continuing a bfloat16 prefix had its own new keys
-   and values rounded to bfloat16. Measured against stock over 20 greedy tokens, Llama/Qwen3 with
-   hidden 32/2 layers and 256/4 layers: max |logit| drift 9e-5 to 1.2e-3, i.e. 2e-4 to 1e-3 of
-   the largest logit, tokens unchanged on these random models but not guaranteed on real ones.
-   Now the drift is 0: bit-identical to stock, ``tests/test_patch_kv_cache_dtype_robustness.py``.)
-3. Cross-attention caches (``EncoderDecoderCache``): the cache patch cannot see the direct reads,
-   so it aligns the cross-attention layer where it can see the compute dtype: in the same decoder
-   layer's self-attention ``Cache.update``, which runs right before the cross-attention reads.
-   Whenever that update is not on the fast path (its layer is new, or its dtypes differ from the
-   incoming states), cross-attention layer ``i`` is converted once, in place, to the dtype of the
-   incoming states (a narrowing conversion drops the wider copy: stock fails here, and attention
-   computes in the narrower dtype anyway; the warning says so). This makes a float32-prefilled
-   ``EncoderDecoderCache`` work with a bfloat16 decoder on encoder-decoder models whose decoder
-   layer runs its self-attention update before its cross-attention read (all of them in 5.x),
-   inline attention included: tested (tokens equal to the all-bfloat16 reference, kv-cache-dtype
-   alone, stock failing) on T5 and MVP in the suite (every lane, 4.55.4 included), and on MT5, UMT5, LongT5, Bart, MBart, Marian,
-   Pegasus, Blenderbot, BlenderbotSmall, M2M100, PLBart, LED, BigBirdPegasus and NLLB-MoE on
-   5.13.0 and 5.18.0 by a one-off sweep. Exact limit: a
-   cross-attention cache whose dtype differs while its self-attention cache already holds states
-   in the compute dtype (the two were filled by different models, or ``cross_attention_cache``
-   was reassigned after the ``EncoderDecoderCache`` was built) is not converted; models that
-   dispatch attention through ``AttentionInterface`` are still aligned by ``attention-guard``.
-4. Under ``torch.autocast`` on the states' device, dtypes are autocast's business, as in the
-   attention guard: nothing is cast on read and nothing is reported, only the write into a static
-   layer is cast (stock would fail in ``index_copy_``). E.g. generate's default dynamic cache under
-   autocast on 5.13.0-5.23.x allocates values in the keys' float32 and ``torch.cat`` promotes the
-   bfloat16 values: stock generates, and so does the overlay, same tokens, no warning.
+Cost: one replacement, ``Cache.update``, stock's own body with two dtype comparisons in front (no
+wrapper frame); when dtypes agree, no copy, no kernel, no graph break. Under callgrind, per layer
+and decode step: 100-280 instructions less than stock on 5.13.0-5.24.0, about 1,100-1,650 more
+per dynamic update on 4.56.0-5.3.0, about 1,300 more per static update on 4.55.4.
 
-Either half alone is not enough for static caches: casting on write only returns a float32 cache
-to a bfloat16 query; casting on read only never gets past ``index_copy_``.
-
-What it costs (4.55.x: see "Releases"): one replacement, ``Cache.update``, which is stock's own body (4.56.0-5.24.0 share
-it when offloading is off) with two dtype comparisons in front: no wrapper frame, no layer wrapper,
-and the layer's ``update`` called as a plain call. From 5.4.0 (``Cache.update(..., *args,
-**kwargs)``) the two argument shapes transformers uses are spelled out, cheaper than stock's
-``*args, **kwargs`` re-packing: per layer and decode step the cache update costs 100-280
-instructions *less* than stock's under callgrind on 5.13.0-5.24.0. On 4.56.0-5.3.0
-(``named_cache_kwargs``) the replacement has stock's signature and stock's layer call,
-``layer.update(key_states, value_states, cache_kwargs)``; nothing is re-packed there to save, so
-the ``.dtype`` reads (about 420 instructions each under callgrind) are the cost: three for a
-``DynamicLayer`` whose values are cached in the keys' dtype (:func:`_dynamic_layer`; every
-release reads three there, four for other layers), about 1,100 - 1,650 instructions per dynamic
-update more than stock's (figure 8). A ``StaticLayer``
-(every full-attention layer of a static cache) is not read there: its own ``update``, known by
-its fingerprint (``REFUSING_STATIC_UPDATES``), writes with ``index_copy_``, which refuses states
-in another dtype before writing anything, so the fast path calls it directly and a refusal (a
-``RuntimeError`` while buffers and states differ in dtype) sends the update to the slow path,
-which casts. Every layer's first update takes the slow path, which notes whether the layer's
-buffers are in the states' dtypes: only then is its own write relied on; a layer that differs (a
-float32 cache for a bfloat16 model) goes to the slow path on every step without a refusal, and a
-refusal (the model's dtype changed since) notes that too. The price is one call of
-``torch.compiler.is_dynamo_compiling()`` and one attribute read (under dynamo a refusal cannot be
-caught in the graph, so the dtypes are compared there, at trace time). A refused update whose
-keys matched and values did not has its keys written once more by the slow path (the same states
-at the same positions); in ``check`` the error then comes after that keys write. When dtypes
-agree, nothing else runs: no copy, no kernel (tests count aten ops with a TorchDispatchMode), and under
-``torch.compile`` every branch is decided at trace time (dtypes are guarded), so no graph break
-and no recompilation. Offloaded caches take the slow path every step (a few hundred ns, next to
-the tensor moves). When dtypes differ: one cast of the new states on write (static layers), one
-cast of the layer's returned cache per step on read, and ``overlay.report.record`` counts it
-(outside compiled regions). The warnings are skipped inside compiled regions (emitting them would
-break the graph); the eager prefill that precedes compiled decoding reports the same mismatch.
-
-Modes: ``check`` raises :class:`overlay.guard.CacheDtypeError` (an ``AttentionInputError``)
-naming the layer, the cache tensor and the incoming tensor exactly where ``align`` would warn
-(a cast on read, a static buffer in another dtype than the compute dtype, a rounding write, a
-cross-attention conversion), before anything is written where it can; it never raises where
-``align`` is silent (dynamic promotion, exact widening writes, autocast). ``off`` passes
-everything through as stock transformers does. ``tests/test_patch_kv_cache_dtype_properties.py``
-checks these against stock with hypothesis.
-
-Coverage and limits: every cache updated through ``Cache.update`` (all decoder and
-encoder-decoder models of 4.55.0 on, every attention implementation, eager included), every layer class
-(including modeling-file layers such as DeepSeek-V4's and Unlimited-OCR's), offloaded caches
-(4.55: caches with a ``CacheProcessor``), and
-the cross-attention caches of ``EncoderDecoderCache`` as described in 3. Not covered: a layer's
-``update`` called directly, bypassing ``Cache.update`` (in 4.56.0-5.24.0 only
-``DynamicCache(ddp_cache_data)`` does so, with dynamic layers, which need no write side; 4.55.x
-none: its ``ddp_cache_data`` layers are built with ``DynamicLayer.from_tensors``); other
-direct reads of cached tensors (Mllama's cross-attention layers kept in the decoder's own cache:
-its attention goes through ``AttentionInterface``, so ``attention-guard`` aligns it); caches
-defined in modeling files that override ``Cache.update`` without calling it (e.g. OLMo-Hybrid's
-on 5.13.x) and the paged cache of continuous batching; quantized layers keep their own dtypes.
-Out of scope: models that keep some projections in float32 while others run in bfloat16 (e.g. a
-``qk_norm`` kept in float32 makes q/k float32 and v bfloat16 and then fails in ``o_proj``): that
-is a model-precision issue, not the cache's.
-
-Releases: one ``Cache.update`` body (append replicated layers, offload, ``layer.update``, offload)
-from 4.56.0 to 5.24.0, in four fingerprints, and 4.55.x's (below); what differs is in each
-variant's parameters, read when the replacement is built (``_replace_cache_update``,
-``_static_layers``), never decided again in the replacement:
-
-- ``initialise``: the static layers' lazy initialisation as their ``update`` runs it:
-  ``lazy_initialization(key_states)`` when ``keys is None`` (4.56.0-4.57.6; values are allocated
-  like the keys), ``lazy_initialization(key_states, value_states)`` unless ``is_initialized``
-  (5.0.0 on), none on 4.55.x;
-- ``sliding_layers``: the sliding static layer classes whose own ``update`` writes in place only
-  in some branches, with the rule that tells which: ``StaticSlidingWindowLayer`` (4.57.0 on; its
-  length is the int ``cumulative_length`` up to 5.3.0, ``cumulative_length_int`` from 5.4.0),
-  4.56's ``SlidingWindowLayer`` (a rolling window: in place unless a prompt longer than the
-  window is copied) and ``ChunkedSlidingLayer`` (in place while the window has room; 4.55's
-  too). 4.57's deprecated ``SlidingWindowLayer``/``ChunkedSlidingLayer`` inherit
-  ``StaticSlidingWindowLayer``'s;
-
-- ``cache_processors``: whether ``Cache.update`` runs ``CacheProcessor`` hooks (4.55.x; see below);
-- ``named_cache_kwargs``: whether ``Cache.update`` is ``(key_states, value_states, layer_idx,
-  cache_kwargs=None)`` and hands ``cache_kwargs`` to the layer positionally (4.55.0-5.3.0), not
-  ``*args, **kwargs`` (5.4.0 on): the replacement then has that signature and that call;
-- ``casts_on_write``: the layer classes whose own ``update`` casts the states to their buffers'
-  dtype before writing (4.55's ``StaticLayer`` and ``SlidingWindowLayer``; none from 4.56.0).
-
-4.55.0-4.55.4 (one fingerprint) have another ``Cache.update``: ``@apply_processors`` runs the
-offloading/quantization ``CacheProcessor`` (``pre_update`` / ``post_update``, when
-``cache_processor`` is set) around ``self.append_new_layers(layer_idx)`` and
-``self.layers[layer_idx].update(key_states, value_states, cache_kwargs)``; there is no
-``offloading`` flag, and static layers allocate their buffers in their constructor (no lazy
-initialisation: ``initialise`` does nothing). Its variant (``cache_processors``) builds another
-replacement (``_replace_processed_cache_update``), with the signature of stock's
-``(key_states, value_states, layer_idx, cache_kwargs=None)``. Its fast path is taken only by a
-cache without a processor, and is stock's own sequence for it: the processor check, the same
-``append_new_layers`` call, the dtype comparisons, the same layer call; only the decorator's
-wrapper frame is gone (``test_hot_path_runs_no_extra_python_frame``: exactly one Python frame
-fewer than stock). A cache with a processor (``OffloadedCache``, ``OffloadedStaticCache``,
-``OffloadedHybridCache``, the quantized caches, a user's processor) always takes the slow path,
-which calls the original, hooks included, with the write side before ``pre_update`` (offloading
-moves layers, never states) and the read side after ``post_update`` (tested with a user's
-processor logging every hook: the same hooks, states and tokens as stock). On 4.55 the dtype
-comparisons are not offset by any re-packing of arguments (stock passes ``cache_kwargs``
-positionally), so the fast path costs more than stock: under callgrind on 4.55.4 (torch 2.13,
-CPython 3.11), a ``StaticCache`` update of one position takes about 1,300 instructions more than
-stock's 58,500 (the four ``.dtype`` reads; the wrapper frame it saves pays for a fraction), i.e.
-well under a microsecond per layer and decode step, noise next to a layer's forward.
-``EncoderDecoderCache.__init__`` names its two caches there (its own ``from_legacy_cache``
-passes them by name): the replacement passes on whatever it is given.
-Encoder-decoder models read the cross-attention cache directly there too (T5 and MVP tested).
+The full account (every case, the modes, the costs, the variants): docs/patches/kv-cache-dtype.md.
 """
 
 from __future__ import annotations

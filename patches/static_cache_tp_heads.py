@@ -1,107 +1,42 @@
 """Static cache with ``prefill_chunk_size``: divide KV heads by ``tp_size`` only when attention is sharded,
 and size each layer of a heterogeneous config (Gemma 4) on its own.
 
-``GenerationMixin._get_static_cache_init_shape`` (transformers 5.13.0 - 5.19.0) gives the head
-count a ``StaticCache`` is eagerly allocated with when ``generate(cache_implementation="static",
-prefill_chunk_size=N)`` runs. Under tensor parallelism it divides the KV heads by ``tp_size``
-whatever the plan says. Only a key projection planned ``colwise`` leaves each rank with
-``heads / tp_size`` heads; with attention left out of the plan, or a key projection planned
-``colwise_gather_output`` (OLMo2/OLMo3, OLMoE, FlexOlmo, MiniMax-M2 ship that plan), every rank
-computes all heads and the first cache write fails.
+What breaks (5.13.0 - 5.19.0, fixed upstream in 5.20.0):
+``GenerationMixin._get_static_cache_init_shape`` gives the head count a ``StaticCache`` is eagerly
+allocated with when ``generate(cache_implementation="static", prefill_chunk_size=N)`` runs.
+Under tensor parallelism it divides the KV heads by ``tp_size`` whatever the plan says; with
+attention left out of the plan, or a key projection planned ``colwise_gather_output``
+(OLMo2/OLMo3, OLMoE, FlexOlmo, MiniMax-M2 ship that plan), every rank computes all heads and the
+first cache write fails: ``index_copy_(): Source/destination tensor must have same slice shapes``
+(``Incompatible shapes for broadcasting`` on Neuron). 5.16.0 - 5.16.1 slip the other way: they
+never assign ``model._tp_size``, so a ``colwise`` key projection (Llama's own plan) meets a cache
+with every head. And 5.13.0 - 5.17.0 (fixed upstream in 5.18.0) read one head size and KV head
+count for every layer, but Gemma 4's full-attention layers use ``global_head_dim`` and, with
+``attention_k_eq_v``, ``num_global_key_value_heads``: the first chunked call fails, with or
+without tensor parallelism, in ``index_copy_`` (5.13 - 5.14) or with
+``AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer attribute`` (5.15 - 5.17).
 
-The replacement decides from the model's effective plan (``model.tp_plan``, the plan
+Policy: the replacement decides from the model's effective plan (``model.tp_plan``, the plan
 ``from_pretrained`` sharded the model with) and then lets the release's own function compute the
-shape, so everything else each variant does stays exactly as shipped: the device-map check, the
-MLA check, per-layer head counts (5.18+), the uneven-heads fallback to lazy initialisation
-(``None``) and the return types. (Models whose layers differ in head size, below, are the one
-case where the release's own function cannot compute it before 5.18.0.)
+shape, so the device-map check, the MLA check, per-layer head counts (5.18+), the uneven-heads
+fallback to lazy initialisation (``None``) and the return types stay exactly as shipped. The
+heads are divided only if a key projection (``k_proj``, ``qkv_proj``, ``query_key_value``) is
+planned ``colwise``; gathered and row-parallel styles and plans without a key projection keep
+every head; on 5.16.0 - 5.16.1 the size comes from :func:`sharded_tp_size`. For a config whose
+layers differ in head size or KV heads (before 5.18.0) it sizes the cache as 5.18.0 does
+(:func:`per_layer_head_shapes`: one value per layer, over the layers with a cache layer of their
+own), dividing each layer's heads the same way. Without tensor parallelism nothing changes but
+those per-layer shapes.
 
-transformers 5.16.0 - 5.16.1 slip the other way: they never assign ``model._tp_size`` when they
-shard a model, so their own function never divides, and a ``colwise`` key projection (Llama's own
-plan) meets a cache with every head: ``index_copy_(): Source/destination tensor must have same
-slice shapes``. There the replacement reads the tensor-parallel size the model was sharded with
-(:func:`sharded_tp_size`: ``model._device_mesh`` is set and ``model.config.distributed_config``
-holds the size, exactly what 5.17.0 copies into ``_tp_size``) and lets the original divide by it,
-for ``colwise`` plans only; plans that keep every head are already right there.
+Limits: a style the overlay does not know (``packed_colwise``, ``sequence_parallel``, a style
+registered by the user, upstream's proposed unit sharding) is not guessed: transformers' own
+behaviour (divided by ``tp_size``), and one warning per style on the ``overlay`` logger naming it.
 
-Layers that differ in head size or KV heads (Gemma 4), 5.13.0 - 5.17.0: a second bug in the same
-function, fixed upstream in 5.18.0 (huggingface/transformers issue 48501, pull request 48619, which
-sizes the cache per layer). The function of 5.13.0 - 5.17.0 reads one head size and one KV head
-count for every layer (the variant's ``global_head_shapes``), but the full-attention layers of
-Gemma 4 and Gemma 4 Unified use ``global_head_dim`` (512 where the sliding layers use 256, in the
-configs' defaults) and, with ``attention_k_eq_v``, ``num_global_key_value_heads``. So the first
-``generate(cache_implementation="static", prefill_chunk_size=N)`` of such a model fails, with or
-without tensor parallelism, in one of two ways:
+Cost, once per ``generate()`` with ``prefill_chunk_size``: one read of ``per_layer_attributes``
+(or of ``global_head_dim``) for every model, and for configs whose layers differ one shallow copy
+of the config per layer (what ``per_layer_config[i]`` returns) where upstream's makes the same.
 
-- 5.13.0 - 5.14.x keep those two as plain config attributes: the cache is allocated with the
-  sliding layers' shape for every layer and the first write to a full-attention layer fails with
-  ``index_copy_(): Source/destination tensor must have same slice shapes``. (A later call works
-  only by chance: these releases keep the static cache on the model, and a cache a call without
-  ``prefill_chunk_size`` allocated from the real keys is reused.)
-- 5.15.0 - 5.17.0 make the config heterogeneous (``integrations/heterogeneity``, 5.14.0 on: the
-  full-attention layers' ``per_layer_config`` sets ``head_dim`` and ``num_key_value_heads``), and
-  reading a per-layer attribute from the global config raises
-  ``AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer attribute and may vary across layers``.
-
-For such a config the replacement sizes the cache as 5.18.0 does (:func:`per_layer_head_shapes`):
-a list with one value per layer for each of ``head_dim`` and ``num_key_value_heads`` that differs
-between layers, the global value for the other, over the layers with a cache layer of their own
-(the last ``num_kv_shared_layers`` reuse another layer's keys and values, and ``StaticCache`` leaves
-them out). On 5.15+ the layers' values come from ``per_layer_config``; on 5.13 - 5.14 from the
-two Gemma 4 attributes, read as those releases' Gemma 4 attention layers read them (the values
-5.15.0's Gemma 4 config writes into ``per_layer_config``). The release's two checks come first (no
-eager cache across several devices, none for MLA models); then the heads are divided as below, for
-each layer, and where a layer's count does not divide evenly the cache is allocated lazily
-(``None``), as 5.18.0 does. Every other config, and every config on 5.18.0 - 5.19.0 (whose own
-function reads per-layer shapes), goes to the release's function as before. The cost, once per
-``generate()`` with ``prefill_chunk_size``: one read of ``per_layer_attributes`` (or of
-``global_head_dim``) for every model, and for these models one shallow copy of the config per
-layer (what ``per_layer_config[i]`` returns) where upstream's function makes the same.
-
-Heterogeneous configs that vary other attributes keep one head size and KV head count, which
-stock reads right: Step3p7 (``num_attention_heads`` of its sliding layers, 5.16.0 on), NeoMME
-(``sliding_window``, 5.17.0 on). NeoMME cannot generate, and DiffusionGemma's own ``generate``
-never allocates its static cache eagerly, so neither reaches this function. 5.14.x ship no model
-that builds its layers from ``per_layer_config``: there only a model of the user's own meets the
-heterogeneous form.
-
-Which plans divide the KV heads, and why. A rank's cache must hold the heads that the rank's
-key projection outputs. The overlay reads the model's effective plan, ``model.tp_plan``: the plan
-the model was sharded with (the config's ``base_model_tp_plan``, the class and sub-model plans, a
-``DistributedConfig(tp_plan=…)`` override, and in 5.13 – 5.18 the expert-parallel plan when
-expert parallelism is on). It looks at the entries for a key projection: module keys whose last
-part is ``k_proj``, ``qkv_proj`` or ``query_key_value`` (any prefix, e.g. ``layers.*.self_attn.k_proj``
-or ``model.language_model.layers.*.self_attn.k_proj``).
-
-| style on the key projection | what each rank's keys hold | static cache heads per rank |
-| --- | --- | --- |
-| ``colwise`` | a ``Shard(-1)`` output kept local: ``heads / tp_size`` | divided by ``tp_size``; each layer's count when layers differ; when a count does not divide evenly, the cache is allocated lazily from the first keys (``None``), as before |
-| ``colwise_gather_output``, ``colwise_rep`` | the output is gathered (``Replicate()``): every head | not divided |
-| ``rowwise``, ``rowwise_split_input``, ``rowwise_rep`` | the output is all-reduced (``Replicate()``): every head | not divided |
-| no entry for a key projection (attention left out of the plan, an MLP- or expert-only plan, no plan) | the projection is not sharded: every head | not divided |
-| any other style (``packed_colwise``, ``sequence_parallel``, a style registered by the user, …) | not known to the overlay | not guessed: transformers' own behaviour (divided by ``tp_size``), and one warning per style on the ``overlay`` logger naming it |
-
-If any key projection is ``colwise``, the heads are divided (as upstream's fix does). Everything else
-the release's function does (no eager cache when layers sit on several devices, none for MLA
-models, per-layer head counts, the return types of each release) is kept: the overlay decides from
-the plan and then lets the installed release's own function compute the shape, with tensor
-parallelism hidden from it when the heads are whole (for layers that differ in head size before
-5.18.0 it applies the same division to the per-layer shapes itself). Without tensor parallelism
-nothing changes but those per-layer shapes.
-
-Unit sharding (``unit_colwise`` / ``colwise_units``). Upstream is proposing a style that shards
-``unit_number × unit_dim`` outputs by whole units (heads), so no rank is left with a partial or empty
-head (huggingface/transformers pull requests 48848 and 48855, open). No release up to 5.24.0 ships
-it: neither name appears in any release's ``tensor_parallel.py`` (``transformers/integrations/`` and
-``transformers/distributed/``) nor in any model configuration, 5.13.0 – 5.24.0. As the proposal describes it
-(DTensor cannot shard unevenly, so the heads are split over part of the ranks and replicated over
-the rest), for the KV cache it would mean: each rank holds ``heads / s`` whole heads, where ``s`` is
-the number of ranks the heads are actually split over. That is ``heads / tp_size`` when ``tp_size``
-divides the heads, as with ``colwise``; otherwise ``s`` is smaller than ``tp_size``, and the count per
-rank cannot be derived from the head count and ``tp_size`` alone. The overlay
-therefore treats it as an unknown style (warning, transformers' behaviour); a release that ships it
-needs a rule of its own, best read from the local shape of the key projection's weight rather than
-from the plan's name.
+The full account (the styles' table, Gemma 4, unit sharding): docs/patches/static-cache-tp-heads.md.
 """
 
 from __future__ import annotations
