@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 RELEASES: tuple[str, ...] = (
     # The pinned accelerator stacks' releases: the newest patch release of each minor 4.55 - 5.12.
     "4.55.4",
+    "4.56.0",  # the first release with the fix for chunked attention with left padding
     "4.56.2",
     "4.57.6",
     "5.0.0",
@@ -44,6 +45,7 @@ RELEASES: tuple[str, ...] = (
     "5.7.0",
     "5.8.1",
     "5.9.0",
+    "5.10.1",  # the first release with the fix for Gemma 4's empty static cache
     "5.10.4",
     "5.11.0",
     "5.12.1",

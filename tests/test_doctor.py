@@ -602,8 +602,9 @@ def test_every_scenario_is_proven_by_a_patch_and_every_declared_scenario_exists(
         ("5.18.0", set()),  # every scenario's bug is there
         ("5.24.0", set()),  # fixed upstream: still run (stock must pass, and so must the overlay)
         ("4.0.0", {"host-inputs-static", "cache-dtype-static", "cache-dtype-prefix", "kept-static-cache", "chunked-prefill",
-                   "tp-prefill-chunk", "gemma4-prefill-chunk"}),
+                   "tp-prefill-chunk", "gemma4-prefill-chunk", "zero-kv-shared-static-cache"}),
         ("4.57.6", {"host-inputs-static", "tp-prefill-chunk", "gemma4-prefill-chunk"}),  # the bugs of 5.13+ code
+        ("4.55.4", {"host-inputs-static", "tp-prefill-chunk", "gemma4-prefill-chunk", "zero-kv-shared-static-cache"}),
     ],
 )
 def test_scenarios_whose_bug_is_not_in_the_release_are_skipped_with_the_reason(monkeypatch, release, not_here):

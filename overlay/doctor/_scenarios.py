@@ -66,6 +66,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         "Gemma 4 (layers with their own head size), static cache, prefill_chunk_size",
         fixed_in="5.18.0",
     ),
+    Scenario(
+        "zero-kv-shared-static-cache",
+        "Gemma 4 (num_kv_shared_layers=0, its default) and Gemma 3n set to 0, with a static cache",
+    ),
 )
 
 BY_ID = {s.id: s for s in SCENARIOS}
@@ -465,6 +469,51 @@ def run_gemma4_prefill_chunk(device, **_) -> list[dict]:
     return cases
 
 
+def run_zero_kv_shared_static_cache(device, **_) -> list[dict]:
+    """A text config with ``num_kv_shared_layers=0`` (Gemma 4's default, 5.5.0 on; Gemma 3n set to
+    0, every release) with ``cache_implementation='static'`` and with a ``StaticCache`` built from
+    its config, on a left-padded batch; reference: the same call with the default dynamic cache.
+    4.56.0 - 5.9.0 build the static cache with no layers (``layer_types[:-0]``) and fail at the
+    first write (``IndexError: list index out of range``). The fix:
+    ``static-cache-zero-kv-shared-layers`` (upstream since 5.10.1)."""
+    from transformers import StaticCache
+
+    from overlay.testing.models import (
+        cache_argument_name, heterogeneous_kinds_installed, left_padded_batch, on_device, tiny_gemma3n,
+        tiny_heterogeneous_model, tiny_model,
+    )
+
+    batch = on_device(left_padded_batch(PROMPT_LENGTHS), device)
+    max_cache_len = batch["input_ids"].shape[1] + MAX_NEW_TOKENS
+    models = []
+    if "gemma4_text" in heterogeneous_kinds_installed():  # Gemma 4: 5.5.0 on
+        models.append(("gemma4", lambda: tiny_heterogeneous_model("gemma4_text"), False))
+    models += [
+        ("gemma3n, num_kv_shared_layers=0", lambda: tiny_gemma3n(num_kv_shared_layers=0), False),
+        ("gemma3n, num_kv_shared_layers=2 (control)", lambda: tiny_gemma3n(num_kv_shared_layers=2), True),
+    ]
+    cases = []
+    for label, build, control in models:
+        model = build().to(device)
+        for user_cache in (False, True):
+            name = f"{label}, " + ("a StaticCache built from its config" if user_cache else "cache_implementation='static'")
+
+            def static(model=model, user_cache=user_cache):
+                if user_cache:
+                    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+                    return _generate(model, batch, **{cache_argument_name(model): cache})
+                return _generate(model, batch, cache_implementation="static")
+
+            cases.append(run_case(name, control, reference=lambda model=model: _generate(model, batch), under_test=static))
+    model = tiny_model("llama").to(device)
+    cases.append(run_case(
+        "llama, cache_implementation='static' (control)", True,
+        reference=lambda: _generate(model, batch),
+        under_test=lambda: _generate(model, batch, cache_implementation="static"),
+    ))
+    return cases
+
+
 #: Work a distributed scenario does in each rank before the process group is set up.
 PREPARERS: dict[str, Callable[..., None]] = {"tp-prefill-chunk": prepare_tp_prefill_chunk}
 
@@ -476,4 +525,5 @@ RUNNERS: dict[str, Callable[..., list[dict]]] = {
     "chunked-prefill": run_chunked_prefill,
     "tp-prefill-chunk": run_tp_prefill_chunk,
     "gemma4-prefill-chunk": run_gemma4_prefill_chunk,
+    "zero-kv-shared-static-cache": run_zero_kv_shared_static_cache,
 }
