@@ -13,4 +13,6 @@ PATCH_MODULES: tuple[str, ...] = (
     "kept_static_cache",
     "chunked_prefill",
     "dynamic_cache_reset",
+    "static_cache_zero_kv_shared_layers",
+    "chunked_attention_left_padding",
 )

@@ -14,7 +14,7 @@ Releases and code shapes (one fingerprint each, all the same bug, one replacemen
 
 - ``4.55.4``: ``StaticCache(config, max_batch_size, max_cache_len, device="cpu",
   dtype=torch.float32)``; the layers allocate their tensors in ``StaticLayer.__init__``.
-- ``4.56.2-5.3.0``: ``early_initialization(batch, heads, head_dim, torch.float32, model_device)``
+- ``4.56.0-5.3.0``: ``early_initialization(batch, heads, head_dim, torch.float32, model_device)``
   through ``StaticLayer.lazy_initialization`` (one argument on 4.56-4.57, two since 5.0: a
   difference in ``cache_utils`` that this target's fingerprint cannot see).
 - ``5.4.0``: sliding-window layers swapped for ``StaticLayer(layer.max_cache_len)`` and
@@ -118,7 +118,7 @@ PATCH = Patch(
                 # StaticCache(..., device="cpu", dtype=torch.float32): layers allocate in __init__.
                 "87272f98e0e565d681d0ad91b1f1aa2c65a9642e91c547fe3024295bc79ac20f": "4.55.4",
                 # early_initialization(..., torch.float32, model_device); head shapes read inline.
-                "3fe9c12f361f51f5dbdf062245d038761ba6bf4a3c11d8f220fffc0f77a7ce27": "4.56.2-5.3.0",
+                "3fe9c12f361f51f5dbdf062245d038761ba6bf4a3c11d8f220fffc0f77a7ce27": "4.56.0-5.3.0",
                 # + sliding layers swapped for StaticLayer(layer.max_cache_len), cumulative_length buffers.
                 "dedda01f72d2c85bd68b1405ec8b72e00b036d5db8ecda45a0f5f78564926d86": "5.4.0",
                 # StaticLayer(max_static_cache_length), get_head_shapes(config).

@@ -506,3 +506,116 @@ def tiny_heterogeneous_model(kind: str, *, seed: int = 0, attn_implementation: s
     model.generation_config.do_sample = False
     model.generation_config.pad_token_id = PAD_TOKEN_ID
     return model
+
+
+# -- Gemma 3n: the last layers read another layer's keys and values (KV sharing) -----------------
+# Not among KINDS: its config takes Gemma 3n's own names (per-layer inputs, AltUp, Laurel,
+# activation sparsity). ``num_kv_shared_layers`` says how many of the last layers share (15 by
+# default, 0: none); caches built from its config leave those layers out.
+
+
+def tiny_gemma3n_config(*, num_kv_shared_layers: int = 0, **overrides: Any):
+    """A tiny ``Gemma3nTextConfig``: hidden 32, 4 layers (sliding and full attention alternating,
+    window 4), 4 query and 2 KV heads of 8, per-layer inputs of 8, no activation sparsity, the last
+    ``num_kv_shared_layers`` layers sharing KV. No end of sequence token: every greedy run generates
+    all the tokens it is asked for. ``overrides`` go to the config as they are. Every release from
+    4.55 on accepts it."""
+    import transformers
+
+    kwargs: dict[str, Any] = dict(
+        vocab_size=128,
+        vocab_size_per_layer_input=128,
+        hidden_size=32,
+        hidden_size_per_layer_input=8,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        max_position_embeddings=64,
+        num_kv_shared_layers=num_kv_shared_layers,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.0] * 4,
+        laurel_rank=4,
+        altup_num_inputs=2,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=None,
+    )
+    kwargs.update(overrides)
+    return transformers.Gemma3nTextConfig(**kwargs)
+
+
+def tiny_gemma3n(*, seed: int = 0, attn_implementation: str | None = "sdpa", **config_options: Any):
+    """A randomly initialised float32 ``Gemma3nForCausalLM`` of :func:`tiny_gemma3n_config`
+    (``config_options`` go there) on the CPU, built as :func:`tiny_model` builds the other kinds:
+    weights from ``seed``, eval mode, greedy, pad id :data:`PAD_TOKEN_ID`."""
+    import torch
+    import transformers
+
+    config = tiny_gemma3n_config(**config_options)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = transformers.Gemma3nForCausalLM(config)
+    model.eval()
+    model.generation_config.do_sample = False
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model
+
+
+# -- Llama 4 text: chunked attention layers (``attention_chunk_size``) ------------------------------
+# Not among KINDS: its config takes Llama 4's own names (``intermediate_size_mlp``, experts,
+# ``no_rope_layers``). A layer with RoPE is a chunked attention layer (``layer_types`` is derived
+# from ``no_rope_layers``: 1 = RoPE = ``"chunked_attention"``, 0 = ``"full_attention"``), and
+# ``no_rope_layer_interval`` makes every n-th layer a full attention one.
+
+
+def tiny_llama4_config(*, attention_chunk_size: int = 8, **overrides: Any):
+    """A tiny ``Llama4TextConfig``: hidden 64, 2 layers (the first chunked attention, chunks of
+    ``attention_chunk_size``; the second full attention: ``no_rope_layer_interval=2``), 4 query and
+    2 KV heads of 16, dense MLPs only (no MoE layer), the special ids of :func:`tiny_config`.
+    ``overrides`` go to the config as they are. Every release from 4.55 on accepts it."""
+    import transformers
+
+    kwargs: dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_chunk_size=attention_chunk_size,
+        no_rope_layer_interval=2,
+        num_local_experts=1,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        moe_layers=[],
+        max_position_embeddings=256,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+    kwargs.update(overrides)
+    return transformers.Llama4TextConfig(**kwargs)
+
+
+def tiny_llama4(*, seed: int = 0, attn_implementation: str | None = "sdpa", **config_options: Any):
+    """A randomly initialised float32 ``Llama4ForCausalLM`` of :func:`tiny_llama4_config`
+    (``config_options`` go there) on the CPU, built as :func:`tiny_model` builds the other kinds:
+    weights from ``seed``, eval mode, greedy, pad id :data:`PAD_TOKEN_ID`."""
+    import torch
+    import transformers
+
+    config = tiny_llama4_config(**config_options)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = transformers.Llama4ForCausalLM(config)
+    model.eval()
+    model.generation_config.do_sample = False
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model
