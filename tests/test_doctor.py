@@ -637,10 +637,13 @@ def test_kept_static_cache_scenario_on_the_installed_release(fake_device_run):
 
 def test_chunked_prefill_scenario_on_the_installed_release(fake_device_run):
     # 5.0.0rc1 - 5.2.0: stock fails (the static cache's last write past its end; 5.0.0 also refuses
-    # the default cache); 5.3.0 on: fixed upstream, stock passes. The overlay passes either way.
+    # the default cache); up to 5.20.2 the kept prefix cache is chunked from position 0 again (other
+    # tokens); 5.21.0 on: fixed upstream, stock passes. The overlay passes either way.
     _, report, _ = fake_device_run
     scenario = _scenario(report, "chunked-prefill")
-    assert [c["name"] for c in scenario["with"]["cases"]] == ["llama, static cache", "gemma3, static cache", "llama, default cache"]
+    assert [c["name"] for c in scenario["with"]["cases"]] == [
+        "llama, static cache", "gemma3, static cache", "llama, default cache", "llama, kept prefix cache",
+    ]
     fixed_upstream = CHUNKED_PREFILL.fixed_upstream
     assert scenario["without"]["ok"] is fixed_upstream
     assert scenario["with"]["patches"] == {"chunked-prefill": "fixed upstream" if fixed_upstream else "applied"}

@@ -33,8 +33,10 @@ model see only decoding).
 
 With the patch every chunked run gives the reference's ids, its scores and logits (to float
 rounding: chunks multiply other shapes), and the same positions. Where stock works (no chunking
-anywhere; chunking on 5.3.0+, where the engine reports "fixed upstream"; an unpadded batch and
-beam search on 4.55 - 4.57) the overlay's output is bit for bit stock's.
+anywhere; chunking on 5.3.0+, where every case here starts from an empty cache, so the overlay
+runs the release's own code, and from 5.21.0 the engine reports "fixed upstream"; an unpadded batch
+and beam search on 4.55 - 4.57) the overlay's output is bit for bit stock's. A cache that already
+holds tokens (the patch's range up to 5.20.2): tests/test_patch_chunked_prefill_kept_cache.py.
 """
 
 from __future__ import annotations
@@ -55,15 +57,19 @@ PATCH_ID = PATCH.id
 TRANSFORMERS_VERSION = PATCH.transformers
 AFFECTED = PATCH.affected
 FIXED_UPSTREAM = PATCH.fixed_upstream
+#: 4.55.0 - 5.2.0: the bugs of a chunked prefill onto an empty cache, which this module proves;
+#: 5.3.0 fixed them upstream. The patch goes on to 5.20.2 for a cache that already holds tokens
+#: (tests/test_patch_chunked_prefill_kept_cache.py); onto an empty cache it runs stock's code there.
+EMPTY_CACHE_BUGS = AFFECTED and TRANSFORMERS_VERSION < Version("5.3.0")
 #: 5.0.0rc1 - 5.2.0 (``_prefill``): the chunked branch leaves decoding one position late.
-DECODES_ONE_LATE = AFFECTED and TRANSFORMERS_VERSION >= Version("5.0.0rc1")
+DECODES_ONE_LATE = EMPTY_CACHE_BUGS and TRANSFORMERS_VERSION >= Version("5.0.0rc1")
 #: 4.55.0 - 5.0.0rc2: every chunk's position ids are ``arange`` for every row (issue 43082).
 CHUNKS_IGNORE_PADDING = AFFECTED and TRANSFORMERS_VERSION < Version("5.0.0rc3")
 #: 5.0.0 (and its release candidates) prepares no cache for the default cache_implementation.
 NO_DEFAULT_CACHE = DECODES_ONE_LATE and TRANSFORMERS_VERSION < Version("5.1.0")
 #: From 5.2.0 generate() prepares position ids for the whole prompt before the prefill, and the
 #: chunked branch hands them whole to every chunk (each keeps the last len(chunk) of them).
-WHOLE_PROMPT_POSITION_IDS = AFFECTED and TRANSFORMERS_VERSION >= Version("5.2.0")
+WHOLE_PROMPT_POSITION_IDS = EMPTY_CACHE_BUGS and TRANSFORMERS_VERSION >= Version("5.2.0")
 #: 5.0.0rc1 on chunk the whole prompt, in greedy and beam search alike; 4.55 - 4.57 chunk all
 #: but its last token (the decoding loop's first step runs that one), in greedy search only.
 CHUNKS_THE_WHOLE_PROMPT = TRANSFORMERS_VERSION >= Version("5.0.0rc1")
@@ -267,7 +273,7 @@ def _stock_fails(kind: str, case: str) -> str | None:
 
 def _stock_silently_wrong(kind: str, batch: str, case: str) -> bool:
     """Stock finishes on this release, but its scores are not the reference's."""
-    if not AFFECTED or _stock_fails(kind, case) or not _release_chunks(case):
+    if not EMPTY_CACHE_BUGS or _stock_fails(kind, case) or not _release_chunks(case):
         return False
     if CHUNKS_IGNORE_PADDING and batch == "left-padded":
         return True
@@ -346,8 +352,8 @@ PREFILLED = PROMPT_LENGTH if CHUNKS_THE_WHOLE_PROMPT else PROMPT_LENGTH - 1
 def test_every_forward_sees_the_positions_of_the_unchunked_run(runs, kind, batch, case):
     """The chunks cover 0 .. 16 (4.55 - 4.57: 0 .. 15, then 16 in the loop), then decoding
     continues at 17, 18, 19 as without chunking."""
-    if not AFFECTED:
-        pytest.skip("fixed upstream: the engine leaves the release's code alone (5.4.0+ pass no positions)")
+    if not EMPTY_CACHE_BUGS:
+        pytest.skip("5.3.0 on: onto an empty cache the overlay runs the release's code (5.4.0+ pass no positions)")
     record = runs[kind][batch][case]
     reference = record["patched"]["reference"]["positions"]
     chunked = record["patched"]["chunked"]["positions"]
@@ -374,8 +380,8 @@ def test_every_forward_sees_the_positions_of_the_unchunked_run(runs, kind, batch
 def test_every_forward_sees_the_position_ids_of_the_unchunked_run(runs, kind, batch, case):
     """Each chunk gets its own rows' slice of the prompt's position ids (left padding included);
     decoding continues from them."""
-    if not AFFECTED:
-        pytest.skip("fixed upstream: the engine leaves the release's code alone")
+    if not EMPTY_CACHE_BUGS:
+        pytest.skip("5.3.0 on: onto an empty cache the overlay runs the release's code")
     record = runs[kind][batch][case]
     reference = record["patched"]["reference"]["position_ids"]
     chunked = record["patched"]["chunked"]["position_ids"]
@@ -403,7 +409,7 @@ def test_the_overlay_changes_nothing_where_stock_works(runs, kind, batch, case):
     pairs = [("reference", "reference")]
     stock_chunked_is_right = not (_stock_fails(kind, case) or _stock_silently_wrong(kind, batch, case))
     # 5.0.0rc1 - 5.2.0 change the decode positions even where stock's scores come out right.
-    if not AFFECTED or (stock_chunked_is_right and not DECODES_ONE_LATE):
+    if not EMPTY_CACHE_BUGS or (stock_chunked_is_right and not DECODES_ONE_LATE):
         pairs.append(("chunked", "chunked"))
     for stock_key, patched_key in pairs:
         _assert_bit_for_bit(record["patched"][patched_key], record["stock"][stock_key])
@@ -416,7 +422,7 @@ def test_what_the_patch_reports(runs, kind, batch, case):
     assert record["patched"]["reference"]["fired"] == {}  # no chunking: the original alone
     assert record["stock"]["chunked"]["fired"] == {}
     fired = record["patched"]["chunked"]["fired"]
-    if not AFFECTED or not _release_chunks(case):
+    if not EMPTY_CACHE_BUGS or not _release_chunks(case):
         assert fired == {}
         return
     expected = {}
@@ -489,7 +495,7 @@ def test_padded_batch_on_stock_transformers(padded_runs, kind, cache):
         assert chunked["ok"], chunked.get("error")
         assert chunked["ids"][0] == reference["ids"][0]  # the row without padding is right
         assert chunked["ids"][1] != reference["ids"][1], "stock was expected to give the padded row other tokens"
-    elif FIXED_UPSTREAM:
+    elif not EMPTY_CACHE_BUGS:
         _assert_same_generation(chunked, reference)
     else:
         pytest.skip(
@@ -508,5 +514,5 @@ def test_padded_batch_with_the_overlay_equals_the_unchunked_run(padded_runs, kin
 def test_padded_batch_unchunked_run_is_stock_bit_for_bit(padded_runs, kind, cache):
     record = padded_runs[kind][cache]
     _assert_bit_for_bit(record["patched"]["reference"], record["stock"]["reference"])
-    if not AFFECTED:
+    if not EMPTY_CACHE_BUGS:
         _assert_bit_for_bit(record["patched"]["chunked"], record["stock"]["chunked"])

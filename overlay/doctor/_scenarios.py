@@ -326,16 +326,39 @@ CHUNKED_PROMPT_LENGTHS = (17, 12)  # a left-padded batch of two, longer than two
 PREFILL_CHUNK = 8
 
 
+KEPT_PREFIX = 6  # columns of the batch run through the model before generate() (a kept prefix cache)
+
+
+def _kept_prefix_cache(model, batch):
+    """A ``DynamicCache`` holding the batch's first :data:`KEPT_PREFIX` columns, as a user keeps a
+    prefix cache to continue from."""
+    import torch
+
+    from overlay.testing.models import cache_argument_name, dynamic_cache
+
+    cache = dynamic_cache(model.config)
+    mask = batch["attention_mask"][:, :KEPT_PREFIX]
+    with torch.no_grad():
+        model(
+            input_ids=batch["input_ids"][:, :KEPT_PREFIX], attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, **{cache_argument_name(model): cache},
+        )
+    return cache
+
+
 def run_chunked_prefill(device, **_) -> list[dict]:
     """``generate(prefill_chunk_size=8)`` on a 17-token prompt (left-padded batch of two);
     reference: the same call without ``prefill_chunk_size``. On 4.55.0 - 5.0.0rc2 the chunk loop
     embeds left-padded rows at wrong positions (other tokens, no error). With a static cache the
     chunked prefill of 5.0.0rc1 - 5.2.0 leaves decoding one position late and the last step writes past
     the cache (``IndexError``); with the default cache 5.0.0 refuses to chunk (``ValueError``).
-    No control case: every chunked prefill of those releases decodes one position late (5.2.0 also
+    With a cache that already holds the prompt's first columns (a kept prefix cache), 4.55.0 -
+    5.20.2 chunk the whole prompt from position 0 again: the prefix is cached twice and the tokens
+    differ. No control case: every chunked prefill of those releases decodes one position late (5.2.0 also
     embeds the chunks at wrong positions), which only some models' tokens show. The fix:
-    ``chunked-prefill`` (upstream since 5.3.0; the default cache since 5.1.0)."""
-    from overlay.testing.models import left_padded_batch, on_device, tiny_model
+    ``chunked-prefill`` (upstream since 5.21.0; the empty cache's bugs since 5.3.0, the default
+    cache since 5.1.0)."""
+    from overlay.testing.models import cache_argument_name, left_padded_batch, on_device, tiny_model
 
     batch = on_device(left_padded_batch(CHUNKED_PROMPT_LENGTHS), device)
     cases = []
@@ -343,16 +366,22 @@ def run_chunked_prefill(device, **_) -> list[dict]:
         ("llama", "static", False),
         ("gemma3", "static", False),
         ("llama", None, False),  # the default cache: no cache_implementation, no cache passed
+        ("llama", "kept prefix", False),  # a DynamicCache already holding the first columns
     ):
         model = tiny_model(kind, device=device)
-        kwargs = {"cache_implementation": cache} if cache is not None else {}
+        if cache == "kept prefix":
+            def kwargs(model=model):
+                return {cache_argument_name(model): _kept_prefix_cache(model, batch)}
+        else:
+            def kwargs(cache=cache):
+                return {"cache_implementation": cache} if cache is not None else {}
         cases.append(
             run_case(
                 f"{kind}, {cache or 'default'} cache" + (" (control)" if control else ""),
                 control,
-                reference=lambda model=model, kwargs=kwargs: _generate(model, batch, **kwargs),
+                reference=lambda model=model, kwargs=kwargs: _generate(model, batch, **kwargs()),
                 under_test=lambda model=model, kwargs=kwargs: _generate(
-                    model, batch, prefill_chunk_size=PREFILL_CHUNK, **kwargs
+                    model, batch, prefill_chunk_size=PREFILL_CHUNK, **kwargs()
                 ),
             )
         )
