@@ -20,7 +20,7 @@ target module is handed to its hooks again.
 At interpreter start it imports nothing that a bare ``python -c pass`` has not imported already
 (``sys``, ``os`` and ``_thread`` are there before ``site`` reads any ``.pth`` file): importing
 ``threading`` or ``functools`` here would drag in a dozen more modules at every interpreter start
-(about 40% more time for ``python -c pass``). ``tests/test_startup_hook.py`` checks the set.
+(about 40% more time for ``python -c pass``). ``tests/engine/test_startup_hook.py`` checks the set.
 """
 
 import sys

@@ -119,13 +119,14 @@ def tests(session: nox.Session) -> None:
 #: every CPython the package supports (``requires-python``), not only on the one this machine has
 #: a torch wheel for.
 TORCH_FREE_TESTS = (
-    "tests/test_engine.py",
-    "tests/test_engine_in_force.py",
-    "tests/test_call_forwarding.py",
-    "tests/test_layering.py",
-    "tests/test_readme_tables.py",
-    "tests/test_startup_hook.py",
-    "tests/test_packaging.py",
+    "tests/engine/test_engine.py",
+    "tests/engine/test_engine_in_force.py",
+    "tests/engine/test_call_forwarding.py",
+    "tests/engine/test_layering.py",
+    "tests/tools/test_readme_tables.py",
+    "tests/engine/test_startup_hook.py",
+    "tests/engine/test_packaging.py",
+    "tests/engine/test_patch_format.py",
 )
 #: One lane per CPython from requires-python's floor to the newest one tested (the classifiers
 #: in pyproject.toml name the same versions).

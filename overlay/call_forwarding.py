@@ -30,7 +30,7 @@ Errors: the direct call sits in ``try``; an exception of the ``catch`` types goe
 :data:`RERAISE` (the wrapper then re-raises the very exception, traceback unchanged: a bare
 ``raise``), or raises something else itself.
 
-Pure Python, standard library only; a leaf module (see ``tests/test_layering.py``).
+Pure Python, standard library only; a leaf module (see ``tests/engine/test_layering.py``).
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ class Patch:
     doctor: tuple[str, ...] = ()
     """Ids of the ``python -m overlay.doctor`` scenarios that prove this fix on a user's machine
     (``overlay/doctor/_scenarios.py``): the doctor reports each scenario with the patches that
-    name it, and ``tests/test_doctor.py`` checks every id names a scenario."""
+    name it, and ``tests/tools/test_doctor.py`` checks every id names a scenario."""
 
     def __post_init__(self) -> None:
         if not self.targets:

@@ -160,7 +160,7 @@ port: A and B up to 5.2.0, the release's code from 5.3.0). 5.0.0rc3 ships 5.0.0'
 release before 4.55.0: code the patch does not know is "unrecognised" or out of range, never
 patched.
 
-Tested (``tests/test_patch_chunked_prefill.py``, in the lanes 4.55.4, 4.57.6, 5.0.0, 5.2.0,
+Tested (``tests/patches/chunked_prefill/test_patch_chunked_prefill.py``, in the lanes 4.55.4, 4.57.6, 5.0.0, 5.2.0,
 5.18.0, and by hand in 4.56.2, 5.0.0rc1 and rc2 environments): tiny Llama and Gemma 3, a 17-token
 prompt in a batch of two (left-padded and without padding), chunk 8, static (greedy and beam
 search), user-built static, dynamic and default caches; and a left-padded batch on every
@@ -168,7 +168,7 @@ architecture of ``overlay.testing.models`` that decodes (Llama, Qwen3, Gemma 3, 
 (learned absolute positions), static and default caches: stock fails or differs where stated above
 (the padded row's tokens, up to 5.0.0rc2); with the patch every chunked run gives the non-chunked
 run's ids, scores and logits, and every forward sees the same ``cache_position`` and
-``position_ids``. The kept cache (``tests/test_patch_chunked_prefill_kept_cache.py``, in the lanes
+``position_ids``. The kept cache (``tests/patches/chunked_prefill/test_patch_chunked_prefill_kept_cache.py``, in the lanes
 4.55.4, 4.57.6, 5.0.0, 5.2.0, 5.3.0, 5.5.4, 5.9.0, 5.10.4, 5.20.2, 5.21.0, 5.24.0): tiny Llama,
 Qwen3 and Gemma 3, a 6-column prefix run into a user's dynamic or static cache, then a 12-column
 batch of two (left-padded and without padding), chunk 4: stock feeds the prefix again (or, for a

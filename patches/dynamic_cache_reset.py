@@ -50,7 +50,7 @@ caches (their processor keeps the quantized states itself, and ``reset()`` leave
 the code, not run: 4.55's offloaded cache (it needs a GPU) and the quantized layers of 4.56+ (they
 need optimum-quanto or HQQ).
 
-Tested (``tests/test_patch_dynamic_cache_reset.py``): tiny Llama, Gemma 3 (a sliding layer) and T5
+Tested (``tests/patches/dynamic_cache_reset/test_patch_dynamic_cache_reset.py``): tiny Llama, Gemma 3 (a sliding layer) and T5
 (self- and cross-attention layers), a cache used, reset and used again for a longer prompt, a batch
 of two and a shorter prompt: stock gives other ids than a fresh cache (or raises the errors above),
 the overlay gives the fresh cache's ids and ``get_seq_length() == 0`` after ``reset()``. A fresh

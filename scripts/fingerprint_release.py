@@ -17,7 +17,7 @@ target is NEW or missing, disagrees with the patch's declared versions (``affect
 The fingerprint is the engine's own: the file's text goes through
 ``overlay.patch.source_in_module_text`` (the code object the module creates, its block cut out
 by the function that cuts it at run time) and ``overlay.patch.fingerprint_source``; this script
-only finds and decodes the file. ``tests/test_fingerprint_tool.py`` proves the two agree on the
+only finds and decodes the file. ``tests/tools/test_fingerprint_tool.py`` proves the two agree on the
 installed release.
 
 Other sources than a version number: ``--all`` for every release of the matrix

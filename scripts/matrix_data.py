@@ -11,7 +11,7 @@ for that release, from the patch's ``affected`` (a PEP 440 specifier) and ``fixe
 - anything else: ``out of range``
 
 The fingerprints are the *other* statement of the same facts (which code each release ships).
-The two are checked against each other, never merged: ``tests/test_matrix.py`` asserts that the
+The two are checked against each other, never merged: ``tests/tools/test_matrix.py`` asserts that the
 engine, reading the installed release's real code, reaches exactly these statuses, and
 ``scripts/fingerprint_release.py --check`` does the same from the released wheels.
 

@@ -14,7 +14,7 @@ patch's ``title``, ``errors``, ``affected`` releases and ``upstream`` (with ``fi
 patch that ``patches/__init__.py`` lists, in its order; the patch's docstring tells the rest, so
 each row links to its file. The statuses come from ``scripts/matrix_data.py`` (each patch's
 ``affected`` / ``fixed_in``, over the releases the matrix proves), the same expectations
-``tests/test_matrix.py`` holds the engine to in every nox lane.
+``tests/tools/test_matrix.py`` holds the engine to in every nox lane.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Worker for tests/test_engine_threads.py: a fresh interpreter with the startup hook installed, whose
+"""Worker for tests/engine/test_engine_threads.py: a fresh interpreter with the startup hook installed, whose
 threads import transformers' modules in the order given, at once; prints what the overlay then says.
 
     python tests/_thread_import_worker.py MODULE,MODULE,... barrier|free|sequential [generate]

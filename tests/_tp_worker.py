@@ -1,6 +1,6 @@
 """One rank of the CPU tensor-parallel check for the ``static-cache-tp-heads`` patch.
 
-Run by ``tests/test_patch_static_cache_tp_heads.py`` as two processes (ranks 0 and 1) that share a
+Run by ``tests/patches/static_cache_tp_heads/test_patch_static_cache_tp_heads.py`` as two processes (ranks 0 and 1) that share a
 gloo process group through a store file. For every case in the spec it loads a tiny model saved
 with ``save_pretrained`` under tensor parallelism (``DistributedConfig(tp_size=world_size)`` with
 the case's plan put in the config's ``base_model_tp_plan``) and runs three greedy generations with

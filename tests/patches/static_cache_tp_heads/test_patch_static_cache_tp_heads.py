@@ -35,7 +35,7 @@ from overlay.testing.harness import PatchUnderTest
 from overlay.testing.models import greedy_ids, save_tiny_model, tiny_config, tiny_heterogeneous_config, tiny_heterogeneous_model
 from overlay.testing.tensor_parallel import ATTENTION_COLWISE, ATTENTION_GATHERED, MLP
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[2]  # tests/: the workers beside conftest.py
 REPO_ROOT = TESTS_DIR.parent
 
 PATCH_UNDER_TEST = PatchUnderTest("static_cache_tp_heads")

@@ -36,7 +36,7 @@ rounding: chunks multiply other shapes), and the same positions. Where stock wor
 anywhere; chunking on 5.3.0+, where every case here starts from an empty cache, so the overlay
 runs the release's own code, and from 5.21.0 the engine reports "fixed upstream"; an unpadded batch
 and beam search on 4.55 - 4.57) the overlay's output is bit for bit stock's. A cache that already
-holds tokens (the patch's range up to 5.20.2): tests/test_patch_chunked_prefill_kept_cache.py.
+holds tokens (the patch's range up to 5.20.2): tests/patches/chunked_prefill/test_patch_chunked_prefill_kept_cache.py.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ AFFECTED = PATCH.affected
 FIXED_UPSTREAM = PATCH.fixed_upstream
 #: 4.55.0 - 5.2.0: the bugs of a chunked prefill onto an empty cache, which this module proves;
 #: 5.3.0 fixed them upstream. The patch goes on to 5.20.2 for a cache that already holds tokens
-#: (tests/test_patch_chunked_prefill_kept_cache.py); onto an empty cache it runs stock's code there.
+#: (tests/patches/chunked_prefill/test_patch_chunked_prefill_kept_cache.py); onto an empty cache it runs stock's code there.
 EMPTY_CACHE_BUGS = AFFECTED and TRANSFORMERS_VERSION < Version("5.3.0")
 #: 5.0.0rc1 - 5.2.0 (``_prefill``): the chunked branch leaves decoding one position late.
 DECODES_ONE_LATE = EMPTY_CACHE_BUGS and TRANSFORMERS_VERSION >= Version("5.0.0rc1")

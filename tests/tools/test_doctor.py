@@ -43,7 +43,7 @@ TP_HEADS = PatchUnderTest("static_cache_tp_heads")
 KEPT_CACHE = PatchUnderTest("kept_static_cache")
 CHUNKED_PREFILL = PatchUnderTest("chunked_prefill")
 DOCTOR_TIMEOUT_S = 900  # a whole doctor run; each of its subprocesses has its own timeout too
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_NOTE = (
     "no accelerator found: running on the host-memory fake device `fakeaccel`, which reproduces "
     "device-placement bugs, not performance"

@@ -16,7 +16,7 @@ import pytest
 
 from overlay import cli, config, engine, guard
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 import readme_table  # noqa: E402

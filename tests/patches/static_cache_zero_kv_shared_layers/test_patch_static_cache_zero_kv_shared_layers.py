@@ -17,7 +17,7 @@ arguments the release's own code uses (4.56.x: ``get_text_config()``; later: ``d
 5.10.1+ the engine says "fixed upstream", stock gives the reference's ids and the overlay changes
 nothing; on 4.55.x, which has no slice, it says "out of range" (the code arrived in 4.56.0), leaves
 ``StaticCache.__init__`` alone, and stock gives the reference's ids. The fingerprints, labels and
-the patch file's imports are checked for every patch by ``tests/test_patch_declarations.py``.
+the patch file's imports are checked for every patch by ``tests/patches/test_patch_declarations.py``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from overlay.testing.harness import run_json_worker
 
 pytestmark = pytest.mark.lane
 
-WORKER = Path(__file__).with_name("_thread_import_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "_thread_import_worker.py"
 REPO = WORKER.parent.parent
 
 

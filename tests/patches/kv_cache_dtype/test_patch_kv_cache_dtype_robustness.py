@@ -5,15 +5,15 @@ tiny random models:
 
 - plain ``torch.autocast`` with generate's default dynamic cache (5.13.0-5.23.x allocate values in
   the keys' float32): stock generates; the overlay must too, in ``align`` and ``strict``, with
-  the same tokens and no warning about a cache the user never built (issue 15.3);
+  the same tokens and no warning about a cache the user never built;
 - a float32 model continuing a bfloat16 prefix: stock promotes the dynamic cache and keeps float32;
   the overlay must not round the model's own states (bit-identical logits), and a kept bfloat16
-  *static* cache (which cannot change dtype) must be reported as a precision loss (issue 15.5);
+  *static* cache (which cannot change dtype) must be reported as a precision loss;
 - a float32-prefilled ``EncoderDecoderCache`` decoded in bfloat16: the cross-attention cache is
   read directly by the models, stock fails (inline attention: MVP; T5 too with only this patch);
-  the overlay must give the tokens of the all-bfloat16 reference (issue 15.4);
+  the overlay must give the tokens of the all-bfloat16 reference;
 - the hot path: when dtypes agree, ``Cache.update`` with the overlay runs exactly as many Python
-  frames as stock (issue 12: no wrapper frame); on 4.55.x one fewer: the replacement does the
+  frames as stock (no wrapper frame); on 4.55.x one fewer: the replacement does the
   processor checks of stock's ``@apply_processors`` wrapper in its own frame.
 """
 
@@ -127,7 +127,7 @@ def prefix_cache(kind: str, attn: str, dtype: torch.dtype) -> DynamicCache:
     return cache
 
 
-# -- issue 15.3: plain autocast, generate's default cache ----------------------------------------------
+# -- plain autocast, generate's default cache ----------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["align", "check"])
@@ -156,7 +156,7 @@ def test_the_autocast_premise_values_are_promoted_on_stock():
     assert {layer.values.dtype for layer in cache.layers} == {expected}
 
 
-# -- issue 15.5: precision ----------------------------------------------------------------------------
+# -- precision ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -205,7 +205,7 @@ def test_kept_bfloat16_static_cache_with_a_float32_model_says_precision_is_lost(
         generate(model, past_key_values=_static_cache(model, torch.bfloat16))
 
 
-# -- issue 15.4: cross-attention caches ----------------------------------------------------------------
+# -- cross-attention caches ----------------------------------------------------------------
 
 SOURCE_IDS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
 DECODER_IDS = torch.tensor([[3, 20, 21, 22], [3, 23, 24, 25]])
@@ -411,7 +411,7 @@ def test_float32_prefix_in_a_cache_with_a_processor_then_bfloat16_decoding(attn)
     assert cache.cache_processor.log == ref_cache.cache_processor.log  # every hook ran, with the same states
 
 
-# -- issue 12: the hot path ---------------------------------------------------------------------------
+# -- the hot path ---------------------------------------------------------------------------
 
 
 def _python_calls(call) -> Counter:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIGURES = {1, 2, 3, 4, 5, 6, 7, 8}
 FIGURE_STATUSES = {"ok", "not run"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 import fingerprint_release as tool  # noqa: E402
@@ -258,11 +258,12 @@ def test_apply_cli_reports_unrecognised_code_for_a_changed_release(tmp_path):
 
 def test_every_patch_has_tests_that_the_release_lanes_run():
     # The lanes select by the `patch` marker, which tests/conftest.py derives from each module's
-    # PatchUnderTest objects: a patch no lane-run module declares would be proven nowhere but here.
+    # folder (tests/patches/<patch module>/) and PatchUnderTest objects: a patch no lane-run
+    # module declares would be proven nowhere but here.
     import re
 
     declared: set[str] = set()
-    for path in sorted(Path(__file__).resolve().parent.glob("test_*.py")):
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
         text = path.read_text(encoding="utf-8")
         if re.search(r"^LANE = False", text, re.M):
             continue
@@ -270,3 +271,6 @@ def test_every_patch_has_tests_that_the_release_lanes_run():
     from overlay import patches as package
 
     assert set(package.PATCH_MODULES) <= declared, sorted(set(package.PATCH_MODULES) - declared)
+    # One place per patch: a folder of tests/patches/ for each patch module, and no other folder there.
+    folders = {path.name for path in (REPO / "tests" / "patches").iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert folders == set(package.PATCH_MODULES), (sorted(folders - set(package.PATCH_MODULES)), sorted(set(package.PATCH_MODULES) - folders))

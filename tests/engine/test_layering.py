@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 FLOORS = {
     "overlay": 7, "overlay.apply": 7, "overlay.__main__": 7,

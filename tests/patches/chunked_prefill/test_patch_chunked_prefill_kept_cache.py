@@ -14,7 +14,7 @@ prefix again (positions ``0 ..``). Where the cache appends what it is given (dyn
 cache from 5.4.0, a sliding static layer from 4.56.0) it ends with 22 entries instead of 16 and
 other tokens; a static cache up to 5.3.0 gets the chunks' own positions and rewrites the prefix in
 place with the same values, so for Llama and Qwen3 only this release's other chunked-prefill bugs
-(tests/test_patch_chunked_prefill.py) can show. The prompt of new tokens only gets the prefix's
+(tests/patches/chunked_prefill/test_patch_chunked_prefill.py) can show. The prompt of new tokens only gets the prefix's
 positions: other scores (and, but for Gemma 3's unpadded batch on 5.18.0 - 5.20.2, other tokens). With the patch every chunked run gives the reference's ids, its scores and
 logits (to float rounding), its cache length and its position ids. The unchunked run is stock's bit
 for bit; on 5.3.0 - 5.20.2 so is a chunked run onto an empty cache (stock is right there), and on
@@ -38,7 +38,7 @@ FIXED_UPSTREAM = PATCH.fixed_upstream
 #: 5.3.0 on slice the prompt after the cache's length only when the mask is as long as the prompt:
 #: a prompt of the new tokens only is theirs to take; up to 5.2.0 the prompt is the whole sequence.
 TAKES_NEW_TOKENS_ONLY = TRANSFORMERS_VERSION >= Version("5.3.0")
-#: 5.3.0 on, a chunked prefill onto an empty cache is right on stock (tests/test_patch_chunked_prefill.py).
+#: 5.3.0 on, a chunked prefill onto an empty cache is right on stock (tests/patches/chunked_prefill/test_patch_chunked_prefill.py).
 EMPTY_CACHE_RIGHT_ON_STOCK = TRANSFORMERS_VERSION >= Version("5.3.0")
 #: Up to 5.3.0 the chunks get their own cache_position (from 0 on stock): a static layer writes
 #: there, over the prefix; from 5.4.0 it writes after what it holds.
@@ -63,7 +63,7 @@ STATIC_LENGTH = 32
 #: but the last.
 REFERENCE_LENGTH = COLUMNS + NEW_TOKENS - 1
 #: head_dim 8 and weights drawn wider than the default 0.02: attention sharp enough that a wrong
-#: position moves the argmax (tests/test_patch_chunked_prefill.py does the same).
+#: position moves the argmax (tests/patches/chunked_prefill/test_patch_chunked_prefill.py does the same).
 SIZES = dict(hidden_size=32, intermediate_size=64, initializer_range=0.3)
 #: Chunks multiply matrices of other shapes than one prefill: the scores agree to rounding.
 SCORE_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -319,11 +319,11 @@ def test_what_the_patch_reports(runs, kind, batch, cache, prompt):
 @pytest.mark.parametrize("kind,batch,cache", [(k, b, c) for k in MODELS for b in BATCHES for c in CACHES])
 def test_an_empty_cache_is_stock_where_stock_is_right(runs, kind, batch, cache):
     """5.3.0 on, a chunked prefill onto an empty cache is right on stock, and the overlay runs the
-    release's code (up to 5.2.0 it is the other bugs' case: tests/test_patch_chunked_prefill.py)."""
+    release's code (up to 5.2.0 it is the other bugs' case: tests/patches/chunked_prefill/test_patch_chunked_prefill.py)."""
     record = runs[kind][batch][cache]["empty"]
     if not EMPTY_CACHE_RIGHT_ON_STOCK:
         pytest.skip(f"transformers {TRANSFORMERS_VERSION}: stock's chunked prefill onto an empty cache has this "
-                    "release's other bugs (tests/test_patch_chunked_prefill.py)")
+                    "release's other bugs (tests/patches/chunked_prefill/test_patch_chunked_prefill.py)")
     _assert_bit_for_bit(record["patched"], record["stock"])
     assert record["patched"]["fired"] == {}
     assert record["stock"]["length"] == REFERENCE_LENGTH

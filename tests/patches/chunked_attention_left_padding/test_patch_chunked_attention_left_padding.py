@@ -47,7 +47,7 @@ ATTENTIONS = ("sdpa", "eager")
 CASES = pytest.mark.parametrize("attention,cache", [(a, c) for a in ATTENTIONS for c in CACHES])
 
 
-# -- the patch data (the checks every patch gets are in tests/test_patch_declarations.py) -----------
+# -- the patch data (the checks every patch gets are in tests/patches/test_patch_declarations.py) -----------
 
 
 def _masking_utils():

@@ -2,7 +2,7 @@
 another thread is judged only once it has executed; a replacement someone else displaced is
 "displaced", naming what took its place; strict mode makes the import that triggered a failure
 raise; one patch's failure never takes another down. (Real transformers, many threads:
-tests/test_engine_threads.py.)"""
+tests/engine/test_engine_threads.py.)"""
 
 from __future__ import annotations
 
@@ -274,7 +274,7 @@ def test_strict_mode_makes_a_real_import_raise_through_the_startup_hook(strict):
     import sys
     from pathlib import Path
 
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, ATTN_OVERLAY="1", ATTN_OVERLAY_STRICT=strict)
     done = subprocess.run([sys.executable, "-c", STRICT_STARTUP.format(repo=repo)], capture_output=True, text=True,
                           timeout=300, env=env, cwd=repo)

@@ -27,7 +27,7 @@ import pytest
 from overlay import cli
 from tests.freshenv import build_wheel, install_wheel, make_fresh_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _python(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache"
 README_TIMEOUT_S = 1800  # first run on a fresh machine: venv, torch from disk, transformers, doctor
 

@@ -27,7 +27,7 @@ GUARD = PatchUnderTest("attention_guard")
 GUARD.skip_module_unless_covered()
 
 GUARD_ID = GUARD.id
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def guard_applied():

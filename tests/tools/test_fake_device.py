@@ -22,7 +22,7 @@ import pytest
 
 from overlay.testing import fake_device
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # A cold C++ build takes about a minute on 2 busy cores; loading a cached one takes milliseconds.
 BUILD_TIMEOUT_S = 900
 RUN_TIMEOUT_S = 300
