@@ -146,20 +146,45 @@ def _alone(batch, row: int) -> dict:
     return {name: value[row : row + 1, keep] for name, value in batch.items()}
 
 
+def _attempt(run):
+    """``run()``, or the error it raised as ``"Type: message"`` (compared, never hidden)."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+
+
 def _runs_of(model, batch, cache: str, new_tokens: int) -> dict:
-    """Stock's, the overlay's (and what the patch reported) and each row alone's new ids."""
+    """Stock's, the overlay's (and what the patch reported) and each row alone's new ids, or the
+    error each raised."""
     from overlay import report
 
+    rows = range(len(batch["input_ids"]))
     with overlay.reverted():
         record = {
-            "stock": _new_ids(model, batch, cache, new_tokens),
-            "alone": [_new_ids(model, _alone(batch, row), cache, new_tokens)[0] for row in range(len(batch["input_ids"]))],
+            "stock": _attempt(lambda: _new_ids(model, batch, cache, new_tokens)),
+            "alone": _attempt(lambda: [_new_ids(model, _alone(batch, row), cache, new_tokens)[0] for row in rows]),
         }
     with PATCH.applied():
         report.reset()
-        record["patched"] = _new_ids(model, batch, cache, new_tokens)
+        record["patched"] = _attempt(lambda: _new_ids(model, batch, cache, new_tokens))
         record["fired"] = report.fired_actions().get(PATCH_ID, {})
     return record
+
+
+# Stock's own crash, outside this patch's releases: with a static cache, generate() builds Llama 4's
+# masks ahead (create_masks_for_generate), which from 5.9.0 passes block_sequence_ids to a
+# create_chunked_causal_mask that takes it only from 5.20 (read: 5.9.0 - 5.18.0 fail, 5.20.2 works).
+STOCK_STATIC_MASK_CRASH = "TypeError: create_chunked_causal_mask() got an unexpected keyword argument 'block_sequence_ids'"
+
+
+def _stock_fails_by_itself(run: dict) -> bool:
+    """Whether stock failed there (never on the patch's releases): the overlay must fail the same way."""
+    if not isinstance(run["stock"], str):
+        return False
+    assert not AFFECTED and run["stock"] == STOCK_STATIC_MASK_CRASH, run["stock"]
+    assert run["patched"] == run["stock"] and run["fired"] == {}, run
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +212,8 @@ def runs():
 @CASES
 def test_padded_row_on_stock_transformers(runs, attention, cache):
     run = runs[attention, cache]["padded"]
+    if _stock_fails_by_itself(run):
+        return
     assert run["stock"][0] == run["alone"][0], "the row without padding is right on every release"
     if AFFECTED:
         assert run["stock"][1] != run["alone"][1], "4.55.x: the padded row's chunks start 4 tokens early"
@@ -197,6 +224,8 @@ def test_padded_row_on_stock_transformers(runs, attention, cache):
 @CASES
 def test_padded_row_with_the_overlay_generates_what_it_generates_alone(runs, attention, cache):
     run = runs[attention, cache]["padded"]
+    if _stock_fails_by_itself(run):
+        return
     assert run["patched"] == run["alone"]
     if not AFFECTED:
         assert run["patched"] == run["stock"]
@@ -205,12 +234,16 @@ def test_padded_row_with_the_overlay_generates_what_it_generates_alone(runs, att
 @CASES
 def test_batch_without_padding_is_the_same_with_and_without_the_overlay(runs, attention, cache):
     run = runs[attention, cache]["unpadded"]
+    if _stock_fails_by_itself(run):
+        return
     assert run["patched"] == run["stock"] == run["alone"]
 
 
 @CASES
 def test_context_within_one_chunk_is_the_same_with_and_without_the_overlay(runs, attention, cache):
     run = runs[attention, cache]["within one chunk"]
+    if _stock_fails_by_itself(run):
+        return
     assert run["patched"] == run["stock"] == run["alone"]
     assert run["fired"] == {}, "the release's own function: nothing computed"
 
@@ -218,6 +251,8 @@ def test_context_within_one_chunk_is_the_same_with_and_without_the_overlay(runs,
 @CASES
 def test_what_the_patch_reports(runs, attention, cache):
     run = runs[attention, cache]["padded"]
+    if _stock_fails_by_itself(run):
+        return
     if AFFECTED:
         # One chunked mask per step (the prompt, then one per new token but the last); with a static
         # cache generate() builds it ahead and the forward reuses it.
@@ -245,7 +280,9 @@ def test_a_model_without_chunked_attention_never_runs_it():
         calls = {}
         for name, model in (("llama", llama), ("llama4", llama4)):
             with mock.patch.object(module, "chunked_causal_mask_function", side_effect=in_force) as spy:
-                ids = {cache: _new_ids(model, batch, cache, MAX_NEW_TOKENS) for cache in CACHES}
+                # Llama 4 with a static cache may meet stock's own mask crash (STOCK_STATIC_MASK_CRASH):
+                # the dynamic cache's calls are counted either way.
+                ids = {cache: _attempt(lambda: _new_ids(model, batch, cache, MAX_NEW_TOKENS)) for cache in CACHES}
             calls[name] = spy.call_count
             if name == "llama":
                 patched, fired = ids, report.fired_actions().get(PATCH_ID, {})
