@@ -211,7 +211,13 @@ def test_reused_cache_on_stock_transformers(runs, kind, prompt):
         return
     # The bug: whatever the model, stock does not give the fresh cache's ids.
     if stock["second"]["ok"]:
-        assert stock["second"]["ids"] != reference["ids"]
+        if stock["second"]["ids"] == reference["ids"]:
+            # Seen on 5.9.0: the tiny random T5 generates nothing but its start token (0) with any
+            # cache, so its ids cannot show the stale entries; the bug's cause must show instead.
+            assert all(len(set(row)) == 1 for row in reference["ids"]), (reference, stock["second"])
+            assert stock["after"] == stock["before"] > 0, "reset() keeps the old length"
+        else:
+            assert stock["second"]["ids"] != reference["ids"]
     else:
         _assert_is_declared(stock["second"])
 
