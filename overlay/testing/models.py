@@ -490,22 +490,32 @@ def tiny_heterogeneous_config(kind: str, *, kv_heads_per_layer: bool = False, **
     return getattr(transformers, config_name)(text_config=text_config)
 
 
-def tiny_heterogeneous_model(kind: str, *, seed: int = 0, attn_implementation: str | None = "sdpa", **config_options: Any):
-    """A randomly initialised float32 model of :func:`tiny_heterogeneous_config` (``config_options``
-    go there) on the CPU, built as :func:`tiny_model` builds the other kinds: weights from
-    ``seed``, eval mode, greedy, pad id :data:`PAD_TOKEN_ID`."""
+def _built_like_tiny_model(model_class: Any, config: Any, *, seed: int, attn_implementation: "str | None") -> Any:
+    """``model_class(config)`` built as :func:`tiny_model` builds the other kinds: the attention
+    implementation set on the config (unless ``None``), weights from ``seed``, float32 on the CPU,
+    eval mode, greedy, pad id :data:`PAD_TOKEN_ID`."""
     import torch
-    import transformers
 
-    config = tiny_heterogeneous_config(kind, **config_options)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    model = getattr(transformers, _HETEROGENEOUS_CLASSES[kind][1])(config)
+    model = model_class(config)
     model.eval()
     model.generation_config.do_sample = False
     model.generation_config.pad_token_id = PAD_TOKEN_ID
     return model
+
+
+def tiny_heterogeneous_model(kind: str, *, seed: int = 0, attn_implementation: str | None = "sdpa", **config_options: Any):
+    """A randomly initialised float32 model of :func:`tiny_heterogeneous_config` (``config_options``
+    go there) on the CPU, built as :func:`tiny_model` builds the other kinds: weights from
+    ``seed``, eval mode, greedy, pad id :data:`PAD_TOKEN_ID`."""
+    import transformers
+
+    return _built_like_tiny_model(
+        getattr(transformers, _HETEROGENEOUS_CLASSES[kind][1]), tiny_heterogeneous_config(kind, **config_options),
+        seed=seed, attn_implementation=attn_implementation,
+    )
 
 
 # -- Gemma 3n: the last layers read another layer's keys and values (KV sharing) -----------------
@@ -551,18 +561,11 @@ def tiny_gemma3n(*, seed: int = 0, attn_implementation: str | None = "sdpa", **c
     """A randomly initialised float32 ``Gemma3nForCausalLM`` of :func:`tiny_gemma3n_config`
     (``config_options`` go there) on the CPU, built as :func:`tiny_model` builds the other kinds:
     weights from ``seed``, eval mode, greedy, pad id :data:`PAD_TOKEN_ID`."""
-    import torch
     import transformers
 
-    config = tiny_gemma3n_config(**config_options)
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = transformers.Gemma3nForCausalLM(config)
-    model.eval()
-    model.generation_config.do_sample = False
-    model.generation_config.pad_token_id = PAD_TOKEN_ID
-    return model
+    return _built_like_tiny_model(
+        transformers.Gemma3nForCausalLM, tiny_gemma3n_config(**config_options), seed=seed, attn_implementation=attn_implementation
+    )
 
 
 # -- Llama 4 text: chunked attention layers (``attention_chunk_size``) ------------------------------
@@ -607,15 +610,8 @@ def tiny_llama4(*, seed: int = 0, attn_implementation: str | None = "sdpa", **co
     """A randomly initialised float32 ``Llama4ForCausalLM`` of :func:`tiny_llama4_config`
     (``config_options`` go there) on the CPU, built as :func:`tiny_model` builds the other kinds:
     weights from ``seed``, eval mode, greedy, pad id :data:`PAD_TOKEN_ID`."""
-    import torch
     import transformers
 
-    config = tiny_llama4_config(**config_options)
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = transformers.Llama4ForCausalLM(config)
-    model.eval()
-    model.generation_config.do_sample = False
-    model.generation_config.pad_token_id = PAD_TOKEN_ID
-    return model
+    return _built_like_tiny_model(
+        transformers.Llama4ForCausalLM, tiny_llama4_config(**config_options), seed=seed, attn_implementation=attn_implementation
+    )
