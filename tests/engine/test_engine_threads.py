@@ -72,10 +72,19 @@ def concurrent_runs() -> list[tuple[list[str], str, dict]]:
 # transformers itself is not safe to import from several threads at once in every order: with or
 # without the overlay, a thread can meet a sibling module another thread is still initialising and
 # fail (seen on stock 5.18.0: transformers + transformers.generation.utils at once about one run in
-# two; every target module at once behind a barrier, 8 runs of 8), with "partially initialized
-# module" or, when the other thread finished in between, without it.
+# two; every target module at once behind a barrier, 8 runs of 8; on stock 5.19.0, 21 runs of 24,
+# and 20 of 24 with the overlay), with "partially initialized module" or, when the other thread
+# finished in between, without it.
 STOCK_RACE = re.compile(r"^ImportError: cannot import name '\w+' from (partially initialized module )?'transformers[.\w]*'")
-# Its second-hand form: a thread found a parent package in sys.modules, then the thread importing
+# CPython's own deadlock detection: two threads each hold the import lock of a module the other
+# is waiting for, and the import system raises in one of them (seen once in CI, 5.19.0, every
+# target module behind a barrier, on torch.distributed.fsdp._fully_shard's lock; not in 48 runs
+# here, 24 stock and 24 with the overlay). The cycle is among stock's own modules: the overlay
+# takes no import lock but its own modules', and they import no transformers or torch module
+# (tests/engine/test_layering.py checks what the hook loads), so it cannot close one.
+STOCK_DEADLOCK = re.compile(r"^_DeadlockError: deadlock detected by _ModuleLock\('(?:transformers|torch)[.\w]*'\)")
+DEADLOCK_DETECTOR = "<frozen importlib._bootstrap>:acquire"
+# The second-hand form: a thread found a parent package in sys.modules, then the thread importing
 # that package failed (above) and Python removed it, and the import system's own lookup of the
 # parent raises (seen on stock 5.0.0, every target module behind a barrier: 2 runs of 18, as often
 # with the overlay; CPython's _find_and_load_unlocked reads sys.modules[parent] unguarded).
@@ -83,9 +92,13 @@ STOCK_PARENT_GONE = re.compile(r"^KeyError: 'transformers[.\w]*'$")
 IMPORT_SYSTEM = "<frozen importlib._bootstrap>:_find_and_load_unlocked"
 
 
+def _first_hand(error: str, raised_in: str) -> bool:
+    return bool(STOCK_RACE.match(error)) or (bool(STOCK_DEADLOCK.match(error)) and raised_in == DEADLOCK_DETECTOR)
+
+
 def _assert_only_stock_import_races(result: dict, case: str) -> None:
     errors, raised_in = result["errors"], result["raised_in"]
-    first_hand = {name for name, error in errors.items() if STOCK_RACE.match(error)}
+    first_hand = {name for name, error in errors.items() if _first_hand(error, raised_in[name])}
     for name, error in errors.items():
         assert "overlay" not in error.replace("attn-overlay", ""), (case, name, error)
         if name in first_hand:
@@ -135,6 +148,12 @@ def test_float32_static_cache_generates_after_the_reported_race(honest):
          {"a": "m.py:f", "b": "overlay/engine.py:_activate"}, False),  # raised outside the import system
         ({"a": "AttributeError: module 'transformers' has no attribute 'x'"}, {"a": "m.py:f"}, False),
         ({"a": "ImportError: cannot import name 'x' from 'transformers.utils' (overlay)"}, {"a": "m.py:f"}, False),
+        ({"a": "_DeadlockError: deadlock detected by _ModuleLock('torch.distributed.fsdp._fully_shard') at 1"},
+         {"a": DEADLOCK_DETECTOR}, True),
+        ({"a": "_DeadlockError: deadlock detected by _ModuleLock('torch.distributed') at 1", "b": "KeyError: 'transformers.generation'"},
+         {"a": DEADLOCK_DETECTOR, "b": IMPORT_SYSTEM}, True),
+        ({"a": "_DeadlockError: deadlock detected by _ModuleLock('torch.distributed') at 1"}, {"a": "overlay/engine.py:_activate"}, False),
+        ({"a": "_DeadlockError: deadlock detected by _ModuleLock('overlay.patches.kv_cache_dtype') at 1"}, {"a": DEADLOCK_DETECTOR}, False),
     ],
 )
 def test_only_stocks_own_import_races_are_tolerated(errors, raised_in, tolerated):

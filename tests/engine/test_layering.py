@@ -131,3 +131,44 @@ def test_the_registry_finds_the_patch_files_itself():
     from overlay.registry import load_patches
 
     assert out.stdout.strip() == ",".join(p.id for p in load_patches())
+
+
+def _module_level_imports(name: str, path: Path, is_package: bool):
+    """:func:`_imports` run when the module is loaded: those outside any function body."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    in_functions = {
+        id(inner)
+        for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for inner in ast.walk(node) if inner is not node
+    }
+    lines = {node.lineno for node in ast.walk(tree)
+             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in in_functions}
+    yield from ((imported, line) for imported, line in _imports(name, path, is_package) if line in lines)
+
+
+def test_what_the_import_hook_loads_imports_no_torch_or_transformers_module():
+    # The engine, the registry and the patch files are loaded inside the import of a
+    # transformers module, while that thread holds the module's import lock. Were one of them to
+    # import a torch or transformers module when loaded, it could close a cycle of import locks
+    # with another thread's import (CPython's _DeadlockError), which stock's imports alone never
+    # would: tests/engine/test_engine_threads.py counts such a deadlock as stock's own because of
+    # this. Their functions import what they need when they run.
+    # (overlay.tree_move imports torch, and is imported only inside the replacement that moves.)
+    modules = {name: (path, is_package) for name, path, is_package in _modules()}
+    pending = ["overlay.engine", "overlay.registry", *(name for name in modules if name.startswith("overlay.patches."))]
+    loaded_by_the_hook: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in loaded_by_the_hook or name not in modules:
+            continue
+        loaded_by_the_hook.add(name)
+        pending.extend(imported for imported, _ in _module_level_imports(name, *modules[name]) if imported.startswith("overlay"))
+    assert {"overlay.patches.kv_cache_dtype", "overlay.patch", "overlay.guard", "overlay._patch_files"} <= loaded_by_the_hook
+    assert "overlay.tree_move" not in loaded_by_the_hook
+    found = [
+        f"{modules[name][0].relative_to(REPO)}:{line}: {imported}"
+        for name in sorted(loaded_by_the_hook)
+        for imported, line in _module_level_imports(name, *modules[name])
+        if imported.split(".")[0] in ("torch", "transformers")
+    ]
+    assert found == []
