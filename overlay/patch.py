@@ -56,14 +56,16 @@ class Target:
     """Dotted module name the target lives in, e.g. ``"transformers.generation.utils"``."""
     qualname: str
     """Attribute path inside the module, e.g. ``"GenerationMixin.prepare_inputs_for_generation"``."""
-    originals: Mapping[str, Variant | str]
-    """Fingerprints of every known original this patch was written against -> its variant."""
     replace: Callable[[Callable[..., Any], Variant], Callable[..., Any]]
     """``replace(original, variant)`` builds the replacement from the original function and the
     variant its code matched. Must not mutate the original, and must not import anything while
     building: it runs inside the import of the target module under the engine's lock, so an
     import there could deadlock with another thread's import. Import what the replacement needs
     inside the replacement's body."""
+    originals: Mapping[str, Variant | str] = field(default_factory=dict)
+    """Fingerprints of every known original this patch was written against -> its variant. A
+    shipped patch file leaves it (and ``fixed``) empty: :func:`overlay.releases.patch_with_release_facts`
+    fills both from ``patches/releases.json``. Tests and tools build targets with them directly."""
     fixed: Mapping[str, str] = field(default_factory=dict)
     """Fingerprints meaning "upstream already ships the fix" -> release label."""
     optional: bool = False
@@ -81,6 +83,11 @@ class Target:
     """The qualified name of another function in the same module whose presence makes this target
     unnecessary (it is that release's entry point, patched by another target): where it exists this
     target counts as absent, so declare ``optional`` too."""
+    variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """The replacement's variants by name -> the parameters each sets (beside ``defaults``):
+    ``patches/releases.json`` names, per fingerprint, which variant that code is, and
+    :func:`overlay.releases.patch_with_release_facts` builds ``originals`` from the two. Empty:
+    one variant, ``"original"``, without parameters."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """The variant parameters this target's replacement reads, each with the value most variants
     have: a variant states only where its code differs, so a new parameter is one entry here plus

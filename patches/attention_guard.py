@@ -1,6 +1,6 @@
 """A guard at the attention entry: q, k, v must go together, or the error says which one does not.
 
-What breaks (no transformers release up to 5.24.0 validates attention inputs at dispatch; covered
+What breaks (no transformers release validates attention inputs at dispatch; covered
 from 4.55.0 on): when query, key and value reach an attention kernel on different devices, in
 different dtypes or with incompatible shapes, the user gets a raw kernel error from deep inside
 torch ("Expected all tensors to be on the same device ...", "Expected query, key, and value to
@@ -22,7 +22,7 @@ names problems, and in ``align`` casts what still differs:
   before the call (``align`` casts, ``check`` raises; on devices and shapes both raise);
 - ``off``: the kernel unwrapped. Under autocast dtypes are left to autocast.
 
-Releases: 5.1.0 - 5.18.0 and 5.19.0 - 5.24.0 (``paged|`` prefix) are two variants of
+Releases: 5.1.0 - 5.18.0 and 5.19.0 on (``paged|`` prefix) are two variants of
 ``get_interface``; 4.55.0 - 5.0.0 have none, and the second target replaces the registry lookup,
 ``AttentionInterface.__getitem__`` (inherited from ``GeneralInterface``, set on
 ``AttentionInterface`` only, deleted again by a revert), with the same wrappers.
@@ -51,7 +51,8 @@ from types import CodeType, FunctionType
 
 from overlay import guard as _guard
 from overlay.call_forwarding import RERAISE, call_shape, shaped_forwarder
-from overlay.patch import Patch, Target, Variant, fingerprint, wraps
+from overlay.patch import Target, fingerprint, wraps
+from overlay.releases import patch_with_release_facts
 
 MODULE = "transformers.modeling_utils"
 PATCH_ID = "attention-guard"
@@ -204,13 +205,12 @@ def _slow_path(function, attn_implementation):
     return _checked_wrapper(function, attn_implementation)
 
 
-#: ``GeneralInterface.__getitem__`` (the instance's own mapping first, then the class-wide one) as
-#: every release from 5.0.0 to 5.24.0 ships it. Only where it is this code (and ``get`` and
-#: ``in`` are ``Mapping``'s, which go through it) does the replacement read the two dicts itself
-#: instead of calling the original; anything else gets the original, always.
-LOOKUP_FINGERPRINTS = {
-    "5e2a67a46b33a85220a6eafd94e158c664316fabaf37fd93e7f9839ac7a563ef": "5.0.0-5.24.0",
-}
+#: ``GeneralInterface.__getitem__`` (the instance's own mapping first, then the class-wide one):
+#: the code the ``__getitem__`` target's variant is (``patches/releases.json``), which every later
+#: release has shipped too. Only where it is this code (and ``get`` and ``in`` are ``Mapping``'s,
+#: which go through it) does the replacement read the two dicts itself instead of calling the
+#: original; anything else gets the original, always.
+LOOKUP_FINGERPRINTS = frozenset({"5e2a67a46b33a85220a6eafd94e158c664316fabaf37fd93e7f9839ac7a563ef"})
 
 _MISSING = object()
 
@@ -360,7 +360,7 @@ def _replace_registry_lookup(original, variant):
     return __getitem__
 
 
-PATCH = Patch(
+PATCH = patch_with_release_facts(
     id="attention-guard",
     title="Attention entry guard: q, k, v on one device, one dtype, compatible shapes (named errors)",
     errors=(
@@ -373,25 +373,15 @@ PATCH = Patch(
         "Attention kernels validate their inputs themselves, deep inside torch, with messages that name "
         "neither the layer nor the tensor at fault; nothing in transformers checks q, k, v where they meet."
     ),
-    upstream="none: no transformers release up to 5.24.0 validates attention inputs at dispatch",
-    affected=">=4.55.0",
-    fixed_in=None,
+    upstream="none: no transformers release up to {newest_release} validates attention inputs at dispatch",
     targets=(
         # Where it exists (5.1.0 on), get_interface is the dispatch point; before, the registry
         # lookup is: exactly one of the two targets is present in a release (see "Releases").
         Target(
             module=MODULE,
             qualname="AttentionInterface.get_interface",
+            variants={"keeps_paged_prefix": {"strips_paged_prefix": False}, "strips_paged_prefix": {"strips_paged_prefix": True}},
             optional=True,
-            originals={
-                # 5.19.0 added the ``paged|`` prefix: a name ``paged|X`` (but ``paged|eager``) means ``X``.
-                "a9d96a2a90be43b1c335d52304ae8e3efb2ab6c8dfce0251df7c840d0215fc85": Variant(
-                    "5.1.0-5.18.0", {"strips_paged_prefix": False}
-                ),
-                "5c12a08a6f62f3b6695d5c2bf2d2f1fe40fb26475c9ceb03fa21841fe3ababdc": Variant(
-                    "5.19.0-5.24.0", {"strips_paged_prefix": True}
-                ),
-            },
             replace=_replace_get_interface,
         ),
         Target(
@@ -400,9 +390,6 @@ PATCH = Patch(
             inherited_from="transformers.utils.generic:GeneralInterface.__getitem__",
             unless="AttentionInterface.get_interface",
             optional=True,
-            originals={
-                "5e2a67a46b33a85220a6eafd94e158c664316fabaf37fd93e7f9839ac7a563ef": Variant("4.55.0-5.0.0"),
-            },
             replace=_replace_registry_lookup,
         ),
     ),

@@ -50,7 +50,8 @@ import inspect
 import sys
 
 from overlay import report
-from overlay.patch import Patch, Target, Variant, fingerprint, wraps
+from overlay.patch import Target, fingerprint, wraps
+from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "chunked-attention-left-padding"
 MODULE = "transformers.masking_utils"
@@ -120,7 +121,7 @@ def make_mask_function(original, variant):
     return chunked_causal_mask_function
 
 
-PATCH = Patch(
+PATCH = patch_with_release_facts(
     id=PATCH_ID,
     title="Chunked attention (Llama 4) counts each left-padded row's chunks from its first token",
     errors=(
@@ -132,22 +133,12 @@ PATCH = Patch(
         "q // chunk_size), so a row left-padded by p tokens has its chunk boundaries p tokens early."
     ),
     upstream="huggingface/transformers#40324 (chunks counted from each row's first token), in 4.56.0",
-    affected=">=4.55.0,<4.56.0",
-    fixed_in="4.56.0",
     targets=(
         Target(
             module=MODULE,
             qualname=QUALNAME,
-            originals={
-                "8897754422c1c2a5e4c22898470e9e2093f7a5e2c5188e9e47fe5ad88bb84395": Variant(
-                    "4.55.0-4.55.4",
-                    {"caller": "d96b7666967b150953be0594f55c9410482faf3c7f85de3722e5740747761818"},
-                ),
-            },
-            fixed={
-                "0daa44159fb696681525413ea0e9b3e803cc9658f9138174423e8fc7c64ef01a": "4.56.0-4.57.6",
-                # 5.0.0 drops the torch < 2.6 branch (the old mask); the same left padding.
-                "a07602e3f9ba059e7247b55f2fb648444141e50d607eb61bbf6cae6178c93234": "5.0.0-5.24.0",
+            variants={
+                "counts_from_column_zero": {"caller": "d96b7666967b150953be0594f55c9410482faf3c7f85de3722e5740747761818"},
             },
             replace=make_mask_function,
         ),

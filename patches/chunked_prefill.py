@@ -179,7 +179,8 @@ every chunked run gives the unchunked run's ids, scores, logits, cache length an
 from __future__ import annotations
 
 from overlay import report
-from overlay.patch import Patch, Target, Variant, wraps
+from overlay.patch import Target, wraps
+from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "chunked-prefill"
 MODULE = "transformers.generation.utils"
@@ -437,7 +438,7 @@ STARTS_AT_ZERO_WITH_CACHE_POSITION = {
 #: 5.4.0 - 5.20.2: the same, without cache_position.
 STARTS_AT_ZERO = {**STARTS_AT_ZERO_WITH_CACHE_POSITION, "cache_position_after": None}
 
-PATCH = Patch(
+PATCH = patch_with_release_facts(
     id=PATCH_ID,
     title="Chunked prefill (prefill_chunk_size) gives every chunk its own position ids, left padding "
     "included, continues decoding at the prompt length and starts after the tokens a cache passed in "
@@ -463,37 +464,21 @@ PATCH = Patch(
     "(_prefill's chunked branch rewritten); the chunks' position ids with left padding since 5.0.0rc3 "
     "(huggingface/transformers#43132, issue #43082); the default cache since 5.1.0 "
     "(GenerationMixin._prepare_cache_for_generation)",
-    affected=">=4.55.0,<5.21.0",
-    fixed_in="5.21.0",
     targets=(
         Target(
             module=MODULE,
             qualname=CHUNKING_QUALNAME,
-            originals={
-                "7193ef1b77e823ed4cb7ec0f15b3450e451dd98b2a9d17882d9fac501925c900": "4.55.0-4.57.6",
-            },
             replace=_replace_prefill_chunking,
             optional=True,  # 5.0.0rc1 on: the chunked branch of _prefill
         ),
         Target(
             module=MODULE,
             qualname=QUALNAME,
-            originals={
-                "d83cb1b122c03fc1c8cef69d560cf39fd0f351d80962dd6718543de6818e8c4d": Variant("5.0.0rc1", CHUNKS_IGNORE_PADDING),
-                "b707380b50e3a28934ccd3aa25deeccc94d039ecd0cc2072e1e34711210e9d02": Variant("5.0.0rc2", CHUNKS_IGNORE_PADDING),
-                "120418c312183b2f5eb6f584d178e3ed01b664745e3d3ab78bdd678c987e6dfd": Variant("5.0.0-5.2.0", CHUNKS_FOLLOW_PADDING),
-                "e57d715714b4e4e4a7ea755e3f5179e9acb84b8576db595696650cbd41e4120d": Variant(
-                    "5.3.0", STARTS_AT_ZERO_WITH_CACHE_POSITION
-                ),
-                "320e29ef1f6c8a4b6c61de7920776e20f6b235c3f351a65021cbf848ed6ec274": Variant("5.4.0-5.8.1", STARTS_AT_ZERO),
-                "40156750619a9e0a801ecccbeeb42931c31f9d1c8a78b706e70503a504d6fe0e": Variant("5.9.0-5.17.0", STARTS_AT_ZERO),
-                "9ca8f10a2bae0a6d07b7a3da2ebf248ebc7c531da80c7696bd6bf36e286e2e9e": Variant("5.18.0", STARTS_AT_ZERO),
-                "35aa5caf5aa5d55157d53b3635b77ebf0f471b3405852e1e82dc3cb56dc499d4": Variant("5.19.0-5.20.2", STARTS_AT_ZERO),
-            },
-            fixed={
-                "5dcab3c0186378b6fabcee616e1d9f5a84b035e0890a7e4d2a8d89e7594bba6e": "5.21.0-5.22.2",
-                "a81b872bfc7223afe3a306e7fafb25caf14f99d44bd719ce72d8443f004e87b9": "5.23.0",
-                "9d1f5580881190bc79e2ec86119ede0452d60726a5a76593d341b5bdef491776": "5.24.0",
+            variants={
+                "chunks_ignore_padding": CHUNKS_IGNORE_PADDING,
+                "chunks_follow_padding": CHUNKS_FOLLOW_PADDING,
+                "starts_at_zero_with_cache_position": STARTS_AT_ZERO_WITH_CACHE_POSITION,
+                "starts_at_zero": STARTS_AT_ZERO,
             },
             replace=_replace_prefill,
             optional=True,  # before 5.0.0rc1: _prefill_chunking

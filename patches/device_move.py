@@ -48,7 +48,8 @@ and get the same treatment; what they add to the dict afterwards is theirs, as u
 from __future__ import annotations
 
 from overlay import report
-from overlay.patch import Patch, Target, wraps
+from overlay.patch import Target, wraps
+from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "device-move-nested"
 MODULE = "transformers.generation.utils"
@@ -109,7 +110,7 @@ def _replace_prepare_inputs_for_generation(original, variant):
 
 
 
-PATCH = Patch(
+PATCH = patch_with_release_facts(
     id=PATCH_ID,
     title="Move nested input tensors (per-layer-type attention masks) onto the model device",
     errors=(
@@ -125,24 +126,10 @@ PATCH = Patch(
     ),
     upstream="fixed in transformers 5.20.0 (transformers.pytorch_utils.move_to_device in "
     "GenerationMixin.prepare_inputs_for_generation)",
-    affected=">=5.13.0,<5.20.0",
-    fixed_in="5.20.0",
-    # Before 5.13.0 prepare_inputs_for_generation moves nothing to the device: no bug to fix.
-    introduced_in="5.13.0",
     targets=(
         Target(
             module=MODULE,
             qualname=QUALNAME,
-            originals={
-                "df7aec62297fdfff311ba29e065f2d9d8ad7f12a3a5133436a373fe07ceba2d6": "5.13.0-5.14.1",
-                "13748caf50e9683b50e8d665f876b9212abd6e0a7e10fb3aa6bc843dcd1f4c8f": "5.15.0-5.17.0",
-                "81541ac5a2c2035c8bf2bfac5854393a7edefc7c368b1fab22bd0b4afa535d84": "5.18.0-5.19.0",
-            },
-            fixed={
-                "4a63a45d2e0ee9086dadea767e1e7aaf727727c6932223b0fef0b1c83e2eb0bd": "5.20.0-5.22.2",
-                "378c9d0cf4aaec04abd2daa6ec0d851d0d7a3606dd575a633a83c5cecae507c4": "5.23.0",
-                "4043fda523a537c39fdf0d8508e91c09e955395e4d1c048a3e3ed2e40ab39e26": "5.24.0",
-            },
             replace=_replace_prepare_inputs_for_generation,
         ),
     ),

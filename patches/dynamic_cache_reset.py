@@ -61,7 +61,8 @@ and without the overlay; at the layer level the indexed layer's indexer keys sta
 from __future__ import annotations
 
 from overlay import report
-from overlay.patch import Patch, Target, Variant, wraps
+from overlay.patch import Target, wraps
+from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "dynamic-cache-reset"
 MODULE = "transformers.cache_utils"
@@ -142,7 +143,7 @@ DROPPED = {"forget": _dropped, "original_after": True}
 DROPPED_AND_FLAGGED = {"forget": _dropped_and_flagged, "original_after": True}
 
 
-PATCH = Patch(
+PATCH = patch_with_release_facts(
     id=PATCH_ID,
     title="DynamicCache.reset() empties the cache, so a cache reused after reset() generates like a fresh one",
     errors=(
@@ -159,38 +160,17 @@ PATCH = Patch(
         "them: the next generate() appends the new prompt after the stale zero entries."
     ),
     upstream="huggingface/transformers#48809 (DynamicLayer.reset drops the tensors), in 5.18.0",
-    affected=">=4.55.0,<5.18.0",
-    fixed_in="5.18.0",
     targets=(
         Target(
             module=MODULE,
             qualname="DynamicLayer.reset",
+            variants={"emptied": EMPTIED, "dropped": DROPPED, "dropped_and_flagged": DROPPED_AND_FLAGGED},
             inherited_from=f"{MODULE}:CacheLayerMixin.reset",
-            originals={
-                "a08877799158d70d125494a8847d223223a751d46a47d0d6b03185ae2fb9593e": Variant("4.55.0-4.55.4", EMPTIED),
-                "7d7ba42d7cf7279785e069143bb62601ef168d784ef9d1bcddb1589ae87933a3": Variant("4.56.0-4.56.2", DROPPED),
-                "a38947e43a92a333a853748e707f9df73d2c0623055b5d06b0d13de1585d42b6": Variant(
-                    "4.57.0-5.3.0", DROPPED_AND_FLAGGED
-                ),
-                "79f957a8a77b6df534fb8e03235acdda28418b0e52e7d98f7959df2e517159f8": Variant(
-                    "5.4.0-5.17.0", DROPPED_AND_FLAGGED
-                ),
-            },
-            fixed={
-                "c1bf1a76fd83191f0b4e92cf3bbb514877861d7532cab3dc9fd0486c3cfb4236": "5.18.0-5.24.0",
-            },
             replace=make_layer_reset,
         ),
         Target(
             module=MODULE,
             qualname="DynamicIndexedLayer.reset",
-            originals={
-                "d0f78022df5c9575771ded329e6ea945d42e08e02fab1f87d953dd964a586dc1": "5.11.0-5.17.0",
-            },
-            fixed={
-                "0f7ee9bdc27b6d8e5a156dfecf362c639c04563950727de7f2c7cf04202be2b0": "5.18.0-5.20.2",
-                "0517440885df192b7e2d19cb96a489751f8a86634325ac8f1e8f64aca3278434": "5.21.0-5.24.0",
-            },
             replace=make_indexer_reset,
             optional=True,
         ),

@@ -10,16 +10,17 @@ it. On 4.55 the cache's ``update`` casts the states to its own float32 first, so
 succeeds and the float32 keys reach T5's attention instead: ``expected scalar type BFloat16 but
 found Float``.
 
-Releases and code shapes (one fingerprint each, all the same bug, one replacement for all):
+Code shapes (one fingerprint each, all the same bug, one replacement for all; which release ships
+which is in ``patches/releases.json``):
 
-- ``4.55.4``: ``StaticCache(config, max_batch_size, max_cache_len, device="cpu",
+- 4.55: ``StaticCache(config, max_batch_size, max_cache_len, device="cpu",
   dtype=torch.float32)``; the layers allocate their tensors in ``StaticLayer.__init__``.
-- ``4.56.0-5.3.0``: ``early_initialization(batch, heads, head_dim, torch.float32, model_device)``
+- 4.56 - 5.3: ``early_initialization(batch, heads, head_dim, torch.float32, model_device)``
   through ``StaticLayer.lazy_initialization`` (one argument on 4.56-4.57, two since 5.0: a
   difference in ``cache_utils`` that this target's fingerprint cannot see).
-- ``5.4.0``: sliding-window layers swapped for ``StaticLayer(layer.max_cache_len)`` and
+- 5.4 - 5.5.0: sliding-window layers swapped for ``StaticLayer(layer.max_cache_len)`` and
   ``cumulative_length_{i}`` buffers registered too.
-- ``5.5.4-5.22.2``, ``5.23.0-5.24.0``: ``StaticLayer(max_static_cache_length)`` and
+- from 5.5.1 (two fingerprints, the second from 5.23.0): ``StaticLayer(max_static_cache_length)`` and
   ``get_head_shapes(config)`` (per-layer head shapes possible).
 
 No variant parameters: what the replacement touches (each layer's ``keys`` / ``values`` /
@@ -50,7 +51,8 @@ host cache there, stock and patched alike); releases before 4.55.
 
 from __future__ import annotations
 
-from overlay.patch import Patch, Target, wraps
+from overlay.patch import Target, wraps
+from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "executorch-cache-dtype"
 MODULE = "transformers.integrations.executorch"
@@ -95,7 +97,7 @@ def _realloc_cache_in_model_dtype(module, model):
         report.record(PATCH_ID, f"allocated the export cache in {dtype} instead of {reallocated}")
 
 
-PATCH = Patch(
+PATCH = patch_with_release_facts(
     id=PATCH_ID,
     title="ExecuTorch seq2seq export allocates its static cache in the model's dtype",
     errors=(
@@ -107,24 +109,11 @@ PATCH = Patch(
         "Seq2SeqLMDecoderExportableModuleWithStaticCache.__init__ allocates its StaticCache with a hard-coded "
         "torch.float32, so a bfloat16/float16 decoder writes its states into float32 buffers."
     ),
-    upstream="none: transformers up to 5.24.0 hard-codes torch.float32 there",
-    affected=">=4.55.0",
-    fixed_in=None,
+    upstream="none: transformers up to {newest_release} hard-codes torch.float32 there",
     targets=(
         Target(
             module=MODULE,
             qualname="Seq2SeqLMDecoderExportableModuleWithStaticCache.__init__",
-            originals={
-                # StaticCache(..., device="cpu", dtype=torch.float32): layers allocate in __init__.
-                "87272f98e0e565d681d0ad91b1f1aa2c65a9642e91c547fe3024295bc79ac20f": "4.55.4",
-                # early_initialization(..., torch.float32, model_device); head shapes read inline.
-                "3fe9c12f361f51f5dbdf062245d038761ba6bf4a3c11d8f220fffc0f77a7ce27": "4.56.0-5.3.0",
-                # + sliding layers swapped for StaticLayer(layer.max_cache_len), cumulative_length buffers.
-                "dedda01f72d2c85bd68b1405ec8b72e00b036d5db8ecda45a0f5f78564926d86": "5.4.0",
-                # StaticLayer(max_static_cache_length), get_head_shapes(config).
-                "7a0fd4f32efde8c251a1e22ed9abe3403b3a054a50c1366309d23c814d70eb44": "5.5.4-5.22.2",
-                "ea7b87b769ebea4d34c0486333e211797e4c7da49229903a86daec844514d4b8": "5.23.0-5.24.0",
-            },
             replace=_replace_init,
         ),
     ),

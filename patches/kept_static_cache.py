@@ -44,7 +44,8 @@ from __future__ import annotations
 import inspect
 
 from overlay import report
-from overlay.patch import Patch, Target, Variant, wraps
+from overlay.patch import Target, wraps
+from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "kept-static-cache"
 MODULE = "transformers.generation.utils"
@@ -135,14 +136,14 @@ def make_replacement(original, variant):
 #: in the model's dtype: nothing is ever half-built.
 EAGER = {"device_argument": "device", "layer_ready": None}
 #: 4.56 - 5.12: layers allocate on their first write; the reuse check reads every layer.
-LAZY_456 = {"device_argument": None, "layer_ready": _tensors_allocated}
-LAZY_457 = {"device_argument": None, "layer_ready": _flagged_initialised}
+LAZY_ALLOCATED = {"device_argument": None, "layer_ready": _tensors_allocated}
+LAZY_FLAGGED = {"device_argument": None, "layer_ready": _flagged_initialised}
 #: 5.13 - 5.14: the reuse check skips layers never written (``Cache.batch_size``), and they
 #: initialise on their next write: a half-initialised cache is fine there.
 TOLERANT = {"device_argument": None, "layer_ready": None}
 
 
-PATCH = Patch(
+PATCH = patch_with_release_facts(
     id=PATCH_ID,
     title=(
         "A static cache kept across generate() calls is rebuilt when the model's device or dtype changed, "
@@ -170,31 +171,18 @@ PATCH = Patch(
         "fixed in transformers 5.15.0 (GenerationMixin._prepare_static_cache builds a new cache per call); "
         "the half-initialised cache since 5.13.0 (the reuse check reads Cache.batch_size)"
     ),
-    affected=">=4.55.0,<5.15.0",
-    fixed_in="5.15.0",
     targets=(
         Target(
             module=MODULE,
             qualname="GenerationMixin._get_cache",
-            originals={
-                "b9d3a96b4ff014e17e7f8389003259c5e80930da1c8413bef3e46cbacdea32d2": Variant("4.55.0-4.55.4", EAGER),
-                "8b805cdfaf3eb2d4bd3060c8bf1d66da9097fb2cf556d52b47e3cdf1a91ed619": Variant("4.56.0-4.56.2", LAZY_456),
-                "c4c308925834eb2fc7d94b9b59e7b76935ec27a8b23249bb2f278f23ae619a31": Variant("4.57.0-5.0.0", LAZY_457),
-            },
+            variants={"eager": EAGER, "lazy_allocated": LAZY_ALLOCATED, "lazy_flagged": LAZY_FLAGGED},
             replace=make_replacement,
             optional=True,
         ),
         Target(
             module=MODULE,
             qualname="GenerationMixin._prepare_static_cache",
-            originals={
-                "345be71ad05c5745e197a568655e069d30dfc7c2c743b5eedab4b91c47b707c6": Variant("5.1.0-5.3.0", LAZY_457),
-                "489cfa90144b6e4fd994ce769881169b4b619d89b6b29ce873c457a4f96ddb42": Variant("5.4.0-5.12.1", LAZY_457),
-                "a325910db6113caa8e5a8865630759e8ec44a09f4020b1d37186155daced271c": Variant("5.13.0-5.14.1", TOLERANT),
-            },
-            fixed={
-                "aa2c8b5252e1e65d424369b249a43dd78d0f4b1f9f89baa7e1a3476e7001a266": "5.15.0-5.24.0",
-            },
+            variants={"lazy_flagged": LAZY_FLAGGED, "tolerant": TOLERANT},
             replace=make_replacement,
             optional=True,
         ),

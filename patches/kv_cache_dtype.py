@@ -1,6 +1,6 @@
 """KV cache dtype alignment: attention gets the compute dtype, and no precision stock keeps is lost.
 
-What breaks (every transformers release from 4.55.0 to 5.24.0 at least; nothing upstream aligns
+What breaks (every transformers release from 4.55.0 on; nothing upstream aligns
 dtypes; covered from 4.55.0 on): a KV cache whose dtype differs from the states the model writes
 to it. A float32 ``StaticCache`` (user-built, reused from a float32 run, or allocated by generate
 under ``torch.autocast``) meets bfloat16 states and ``StaticLayer.update`` fails in
@@ -47,7 +47,8 @@ from __future__ import annotations
 import sys
 
 from overlay import guard
-from overlay.patch import Patch, Target, Variant, fingerprint, wraps
+from overlay.patch import Target, fingerprint, wraps
+from overlay.releases import patch_with_release_facts
 
 MODULE = "transformers.cache_utils"
 PATCH_ID = "kv-cache-dtype"
@@ -109,7 +110,7 @@ def _replace_named_cache_kwargs_update(original, static, dynamic_layer):
     """4.56.0-5.3.0: stock's signature, ``(key_states, value_states, layer_idx, cache_kwargs=None)``,
     and its layer call, ``layer.update(key_states, value_states, cache_kwargs)``, spelled out.
 
-    The same fast path as :func:`_replace_cache_update`'s (stock's body, which 4.56.0-5.24.0
+    The same fast path as :func:`_replace_cache_update`'s (stock's body, which 4.56.0 on
     share), but these releases' models always pass ``cache_kwargs`` (positionally), which the
     generic ``*args, **kwargs`` signature would re-pack on every call. Nothing is re-packed here to
     save, so the ``.dtype`` reads (about 420 instructions each under callgrind, torch 2.13; three
@@ -578,7 +579,7 @@ _SLIDING_5_0_TO_5_3 = {"StaticSlidingWindowLayer": _window_writes_int_length}
 _SLIDING_FROM_5_4 = {"StaticSlidingWindowLayer": _window_writes}
 
 
-PATCH = Patch(
+PATCH = patch_with_release_facts(
     id=PATCH_ID,
     title="KV cache hands attention the compute dtype; static caches store in their own dtype",
     errors=(
@@ -594,57 +595,33 @@ PATCH = Patch(
         "a cache built in float32 (user-built, a float32 prefix, generate's early init under autocast) meets "
         "bfloat16 states and a bfloat16 query."
     ),
-    upstream="none: no transformers release up to 5.24.0 aligns KV cache dtypes",
-    affected=">=4.55.0",
-    fixed_in=None,
+    upstream="none: no transformers release up to {newest_release} aligns KV cache dtypes",
     targets=(
         Target(
             module=MODULE,
             qualname="Cache.update",
-            originals={
+            variants={
                 # @apply_processors (CacheProcessor hooks) around append_new_layers / layer.update.
-                "9680fb5f3f8f10b6fdf276dc7b4996c04b2f20fb14d54415a883afd8a70d72c7": Variant(
-                    "4.55.0-4.55.4",
-                    {
-                        "cache_processors": True,
-                        "named_cache_kwargs": True,
-                        "casts_on_write": _CASTS_4_55,
-                        "initialise": _allocated_by_constructor,
-                        "sliding_layers": _SLIDING_4_55,
-                    },
-                ),
+                "cache_processors": {
+                    "cache_processors": True,
+                    "named_cache_kwargs": True,
+                    "casts_on_write": _CASTS_4_55,
+                    "initialise": _allocated_by_constructor,
+                    "sliding_layers": _SLIDING_4_55,
+                },
                 # One Cache.update body: append replicated layers / offload / layer.update / offload.
-                "7e7c5aa6653e0d724f39d64f6810ed4f046039cc3bda5dfa3747e6d4fa64d891": Variant(
-                    "4.56.0-4.57.6",
-                    {**_FROM_4_56, **_NAMED_CACHE_KWARGS, "initialise": _initialise_from_keys,
-                     "sliding_layers": _SLIDING_4_56_TO_4_57},
-                ),
-                "1206ec15a39fd09fa1a2223cf9cb8bbf8476025c024f015a0e16664e8eabcb17": Variant(
-                    "5.0.0-5.3.0",
-                    {**_FROM_4_56, **_NAMED_CACHE_KWARGS, "initialise": _initialise_keys_and_values,
-                     "sliding_layers": _SLIDING_5_0_TO_5_3},
-                ),
-                "679ec869a03c94506ac836f8ebb49419af008974a65f450096ec608ebdfa34c7": Variant(
-                    "5.4.0-5.19.0",
-                    {**_FROM_4_56, **_ANY_ARGUMENTS, "initialise": _initialise_keys_and_values,
-                     "sliding_layers": _SLIDING_FROM_5_4},
-                ),
-                "7f41008b39efeecc1e320035d7b10642f1562c7466514cd05136cf6fc451d6e6": Variant(
-                    "5.20.0-5.24.0",
-                    {**_FROM_4_56, **_ANY_ARGUMENTS, "initialise": _initialise_keys_and_values,
-                     "sliding_layers": _SLIDING_FROM_5_4},
-                ),
+                "initialised_from_keys": {**_FROM_4_56, **_NAMED_CACHE_KWARGS, "initialise": _initialise_from_keys,
+                                          "sliding_layers": _SLIDING_4_56_TO_4_57},
+                "named_cache_kwargs": {**_FROM_4_56, **_NAMED_CACHE_KWARGS, "initialise": _initialise_keys_and_values,
+                                       "sliding_layers": _SLIDING_5_0_TO_5_3},
+                "any_cache_kwargs": {**_FROM_4_56, **_ANY_ARGUMENTS, "initialise": _initialise_keys_and_values,
+                                     "sliding_layers": _SLIDING_FROM_5_4},
             },
             replace=_replace_cache_update,
         ),
         Target(
             module=MODULE,
             qualname="EncoderDecoderCache.__init__",
-            originals={
-                "dc5bd405918bc0431ef69ddca01182c8d19d6999509dcee6f382ebce5bdc9fdd": "4.55.0-4.55.4",
-                "ac9d12d04b96eaeedba2fe33b24b949f464bae7e5d668f77c53a80ec127bd444": "4.56.0-4.57.6",
-                "75023ce759abbc1f191173f5f5c1342c2a24fe5e668bb7dec085635850bdc581": "5.0.0-5.24.0",
-            },
             replace=_replace_encoder_decoder_init,
         ),
     ),

@@ -46,7 +46,8 @@ import threading
 from typing import Any, Callable, Mapping
 
 from overlay import report
-from overlay.patch import Patch, Target, Variant, wraps
+from overlay.patch import Target, Variant, wraps
+from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "static-cache-tp-heads"
 
@@ -65,7 +66,7 @@ HEAD_SHARDING_STYLES = frozenset({"colwise"})
 
 #: The output holds every head on every rank: styles whose output layout is ``Replicate()``
 #: (a gathered column-parallel output, or a row-parallel output after its all-reduce), as defined
-#: in transformers' ``ParallelInterface`` in every release 5.13.0 - 5.24.0 that has them.
+#: in transformers' ``ParallelInterface`` in every release from 5.13.0 that has them.
 FULL_HEADS_STYLES = frozenset(
     {"colwise_gather_output", "colwise_rep", "rowwise", "rowwise_split_input", "rowwise_rep"}
 )
@@ -288,7 +289,7 @@ GLOBAL_HEAD_SHAPES = {"global_head_shapes": True}
 PER_LAYER_HEAD_SHAPES = {"global_head_shapes": False}
 
 
-PATCH = Patch(
+PATCH = patch_with_release_facts(
     id=PATCH_ID,
     title=(
         "Static cache under tensor parallelism divides KV heads by tp_size only when k_proj is sharded colwise; "
@@ -312,23 +313,11 @@ PATCH = Patch(
         "layers that differ in head size or KV heads (Gemma 4) since 5.18.0 "
         "(GenerationMixin._get_static_cache_init_shape reads configuration_utils.get_head_shapes)"
     ),
-    affected=">=5.13.0,<5.20.0",
-    fixed_in="5.20.0",
-    # Before 5.13.0 generate never sizes a static cache with the tensor-parallel size: no bug there.
-    introduced_in="5.13.0",
     targets=(
         Target(
             module="transformers.generation.utils",
             qualname="GenerationMixin._get_static_cache_init_shape",
-            originals={
-                "e16a197f8cf9c49d0bfe801006374b4746e8cd46e7fd83ce6167fc3ba9e70a5a": Variant("5.13.0-5.17.0", GLOBAL_HEAD_SHAPES),
-                "8c3b2a0d2b880fe84ad06bca8159bc6eedc3a0c0407dc46f7d927f13b52ade18": Variant("5.18.0", PER_LAYER_HEAD_SHAPES),
-                "047200716efdb3d06748c4426a6b3a3b8e8e52bf2fb04d8142c3b7acfdd5f73e": Variant("5.19.0", PER_LAYER_HEAD_SHAPES),
-            },
-            fixed={
-                "8ba958316e420772e268d02be4e80070649299499b239395a40b8a16c60bdeff": "5.20.0-5.22.2",
-                "ee152e79e1894fd21a8b0dec9d25f9c8b45c609219a86da6c6c9e9596805cafc": "5.23.0-5.24.0",
-            },
+            variants={"global_head_shapes": GLOBAL_HEAD_SHAPES, "per_layer_head_shapes": PER_LAYER_HEAD_SHAPES},
             replace=make_replacement,
         ),
     ),

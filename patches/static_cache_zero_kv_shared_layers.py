@@ -45,7 +45,8 @@ machine: ``python -m overlay.doctor --scenario zero-kv-shared-static-cache``.
 from __future__ import annotations
 
 from overlay import report
-from overlay.patch import Patch, Target, Variant, wraps
+from overlay.patch import Target, wraps
+from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "static-cache-zero-kv-shared-layers"
 MODULE = "transformers.cache_utils"
@@ -111,7 +112,7 @@ def make_init(original, variant):
     return static_cache_init
 
 
-PATCH = Patch(
+PATCH = patch_with_release_facts(
     id=PATCH_ID,
     title="StaticCache builds its layers for num_kv_shared_layers=0 (Gemma 4, Gemma 3n set to 0) instead of none",
     errors=("IndexError: list index out of range",),
@@ -121,40 +122,17 @@ PATCH = Patch(
         "Gemma 3n with num_kv_shared_layers=0, has no layers."
     ),
     upstream="huggingface/transformers#46235 (slice only when num_kv_shared_layers > 0), in 5.10.1",
-    affected=">=4.56.0,<5.10.1",
-    fixed_in="5.10.1",
-    # 4.55.x builds a static cache from layer classes and never reads num_kv_shared_layers in
-    # cache_utils (nor does 4.53 - 4.54): the slice arrived with 4.56.0's cache layers.
-    introduced_in="4.56.0",
     targets=(
         Target(
             module=MODULE,
             qualname="StaticCache.__init__",
             defaults={"decoder_text_config": True},
-            originals={
+            variants={
                 # `config.get_text_config()` (no decoder=True); SlidingWindowLayer, ChunkedSlidingLayer.
-                "d6ab56c4deee17e4deb8525cc26012ec0d270f62a295456fc545d2debdae21eb": Variant(
-                    "4.56.0-4.56.2", {"decoder_text_config": False}
-                ),
-                # `get_text_config(decoder=True)`; StaticSlidingWindowLayer for sliding and chunked.
-                "0b7a5df737f1c75508073441574091311262651a45a3748350f1313923c4487d": "4.57.0-4.57.6",
-                # PreTrainedConfig in the annotation; the same code (5.0.0rc0 - rc3 ship it too).
-                "14ccfb14e5c8475acacc78f32f57818acc42eb4d3eb5a9ed308e9a1604dde294": "5.0.0-5.4.0",
-                # 5.5.0 adds linear-attention layers; the slice is the same.
-                "3a076eca2bdc0a4719a59dd4139a8dba8c31df8ed936c1c8128fe3d237c88a67": "5.5.0-5.7.0",
-                # 5.8.0 picks the sliding layer types from a registry; the slice is the same.
-                "09b1a92fd6c66671c6c68d840a1aecc2698dca5636e0cd9f5a1330a124b2127c": "5.8.0-5.9.0",
-            },
-            fixed={
-                # `if num_kv_shared_layers > 0:` before the slice (#46235).
-                "181634d337e60f578dfd453c59793d6f100cbf6f69d38c6453c9ccd1e264d092": "5.10.1-5.10.4",
-                "caffcf1128cc35aa026a918291a89a5514bdffff7132e3302c3cacf08d80136d": "5.11.0",
-                "9b17075a9fc022a661809f3a46d9d7550a06b891eae449402cff9e7c3623738b": "5.12.0-5.12.1",
-                "685f2778f8db88756ea9b7d7a594197afda37e5c08b77ae454806da4117503fa": "5.13.0-5.13.1",
-                # From 5.14.0 the layer types come from get_layer_types_and_kwargs, which guards the
-                # slice the same way (`num_kv_shared_layers is not None and num_kv_shared_layers > 0`).
-                "623819d3eee8bac91c542f906f508f968762072b6c38a173d3613dcecf8894e5": "5.14.0-5.18.0",
-                "d02382223d589640c96c2ef0c5190c30bf62eaaa597484ce55f710aa47e0522c": "5.19.0-5.24.0",
+                "text_config": {"decoder_text_config": False},
+                # `get_text_config(decoder=True)`; the slice is the same in every later shape
+                # (annotations, linear-attention layers, a registry of sliding layer types).
+                "decoder_text_config": {},
             },
             replace=make_init,
         ),

@@ -1,18 +1,25 @@
 #!/usr/bin/env python3
-"""Fingerprint every patch target in transformers releases, straight from the released wheels.
+"""Fingerprint every patch target in transformers releases, straight from the released wheels,
+and keep the release facts (``patches/releases.json``) that the patch files are built from.
 
 How a maintainer adds a release::
 
-    python scripts/fingerprint_release.py --check 5.25.0
+    python scripts/fingerprint_release.py --add 5.25.0
 
 downloads the wheel (``pip download --no-deps``; nothing is installed or imported), reads the
-source of every patch target out of it and prints its sha256 fingerprint and which known
-variant of the patch it is: ``original <label>`` (the bug, the patch applies), ``fixed <label>``
-(upstream ships the fix) or ``NEW`` (no known variant: the code changed). Read the code of every
-NEW target, then either add its fingerprint to the patch's ``originals``/``fixed`` (same bug,
-same fix still right) or write a new variant of the replacement. ``--check`` exits 1 while any
-target is NEW or missing, disagrees with the patch's declared versions (``affected``,
-``fixed_in``), or matches a variant whose label does not name the release.
+source of every patch target out of it and records, in ``patches/releases.json``, that the
+release ships each fingerprint. Labels, ``affected``, ``fixed_in`` and "up to X" all follow from
+that file (``overlay/releases.py``); nothing else is edited for a release whose code is unchanged
+but its lane line (``RELEASES`` in ``scripts/matrix_data.py``). Where a target's code is new,
+``--add`` writes nothing and says which: read the code, then either name what it is with
+``--variant SHA=NAME`` (one of the target's variants, ``fixed`` for upstream's fix, ``before``
+for code from before the bug) or write a new variant of the replacement first. ``--remove
+VERSION`` takes a release out again (its fingerprints stay known, with no release).
+
+Reporting only: ``python scripts/fingerprint_release.py --check 5.25.0`` prints each target's
+fingerprint and which known code it is: ``original <label>`` (the bug, the patch applies),
+``fixed <label>`` (upstream ships the fix) or ``NEW``; ``--check`` exits 1 while any target is
+NEW or missing, disagrees with the declared versions, or the release is not in the data yet.
 
 The fingerprint is the engine's own: the file's text goes through
 ``overlay.patch.source_in_module_text`` (the code object the module creates, its block cut out
@@ -174,7 +181,8 @@ def installed_transformers() -> tuple[str, Path]:
 
 # -- classification -------------------------------------------------------------------------
 
-_LABEL = re.compile(r"^\s*(\d+(?:\.\d+)*)\s*(?:-\s*(\d+(?:\.\d+)*))?\s*$")
+_VERSION = r"\d+(?:\.\d+)*(?:rc\d+)?"
+_LABEL = re.compile(rf"^\s*({_VERSION})\s*(?:-\s*({_VERSION}))?\s*$")
 
 
 def label_covers(label: str, version: str) -> bool | None:
@@ -182,12 +190,14 @@ def label_covers(label: str, version: str) -> bool | None:
     ``None`` for a label that is not a release range (free text is allowed)."""
     from packaging.version import Version
 
-    match = _LABEL.match(label)
-    if not match:
-        return None
-    low = Version(match.group(1))
-    high = Version(match.group(2) or match.group(1))
-    return low <= Version(Version(version).base_version) <= high
+    covered = False
+    for run in label.split(","):
+        match = _LABEL.match(run)
+        if not match:
+            return None
+        low, high = Version(match.group(1)), Version(match.group(2) or match.group(1))
+        covered = covered or low <= Version(version) <= high
+    return covered
 
 
 @dataclass
@@ -246,15 +256,16 @@ def report_patch(patch, version: str, read: ReadFile) -> PatchReport:
         where = f"{t.module}:{t.qualname}"
         if t.match == NEW:
             report.problems.append(
-                f"{where} matches no known variant (sha256 {t.sha256}): read the code, then add the "
-                "fingerprint to the target's originals/fixed or write a new variant"
+                f"{where} matches no known variant (sha256 {t.sha256}): read the code, then name it with "
+                f"--add {version} --variant {t.sha256[:12]}=NAME (a variant of the target, 'fixed' or "
+                "'before'), or write a new variant of the replacement first"
             )
         elif t.match == MISSING:
             report.problems.append(f"{where} does not exist in this release")
         elif t.label_covers_release is False:
             report.problems.append(
                 f"{where} is the {t.match} variant labelled {t.label!r}, which does not name {version}: "
-                "widen the label"
+                f"add the release to the data (scripts/fingerprint_release.py --add {version})"
             )
     if report.code != UNRECOGNISED and report.code != report.declared:
         report.problems.append(
@@ -273,11 +284,134 @@ def load_patch_module(name: str):
     """The ``PATCH`` of ``patches/<name>.py`` (``name`` may carry the ``.py`` or a folder)."""
     import importlib
 
+    from overlay import releases
+
+    releases.allow_drafts = True  # a patch file being written has no data yet: --add gives it some
     module = importlib.import_module(f"overlay.patches.{Path(name).stem}")
     patch = getattr(module, "PATCH", None)
     if not isinstance(patch, Patch):
         raise SystemExit(f"fingerprint_release: {module.__name__} defines no PATCH")
     return patch
+
+
+# -- the release facts (patches/releases.json) ------------------------------------------------
+
+DATA_FILE = matrix_data.REPO / "patches" / "releases.json"
+ABOUT = (
+    "Which transformers release ships which code of each patch target: sha256 -> the variant it is "
+    "('fixed': upstream's fix; 'before': from before the bug) and the releases that ship it. Written by "
+    "scripts/fingerprint_release.py --add / --remove; overlay/releases.py derives labels, affected and "
+    "fixed_in from it."
+)
+
+
+def read_data(path: Path = DATA_FILE) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def format_data(data: dict) -> str:
+    """The file's text: one line per fingerprint, so that a new release changes the lines of the
+    code it ships and nothing else."""
+    releases = data["releases"]
+    rows = [", ".join(json.dumps(r) for r in releases[i : i + 10]) for i in range(0, len(releases), 10)]
+    out = ["{", f'  "about": {json.dumps(ABOUT)},', '  "releases": [']
+    out += [f"    {row}," for row in rows[:-1]] + ([f"    {rows[-1]}"] if rows else [])
+    out += ["  ],", '  "patches": {']
+    patches = list(data["patches"].items())
+    for i, (patch_id, targets) in enumerate(patches):
+        out.append(f"    {json.dumps(patch_id)}: {{")
+        for j, (key, entries) in enumerate(targets.items()):
+            out.append(f"      {json.dumps(key)}: {{")
+            lines = [f"        {json.dumps(digest)}: {json.dumps(entry)}" for digest, entry in entries.items()]
+            out.append(",\n".join(lines)) if lines else None
+            out.append("      }" + ("," if j < len(targets) - 1 else ""))
+        out.append("    }" + ("," if i < len(patches) - 1 else ""))
+    out += ["  }", "}", ""]
+    return "\n".join(out)
+
+
+def _ordered(releases: Sequence[str]) -> list[str]:
+    from packaging.version import Version
+
+    return sorted(set(releases), key=Version)
+
+
+def remove_release(data: dict, version: str) -> dict:
+    """``data`` without ``version``; the fingerprints it shipped stay known (with no release),
+    so that adding it back restores exactly what was there."""
+    if version not in data["releases"]:
+        raise ValueError(f"transformers {version} is not in the data")
+    data = json.loads(json.dumps(data))
+    data["releases"].remove(version)
+    for targets in data["patches"].values():
+        for entries in targets.values():
+            for entry in entries.values():
+                if version in entry["releases"]:
+                    entry["releases"].remove(version)
+    return data
+
+
+def add_release(data: dict, version: str, read: ReadFile, patches: Sequence, named: dict[str, str],
+                used: set[str] | None = None) -> tuple[dict, list[str]]:
+    """(``data`` with ``version``, problems): every target's code in the release, recorded under
+    the fingerprint the data knows it by, or under the name ``named`` gives its sha256 prefix
+    (the prefixes that named something are added to ``used``). Code nobody named is a problem;
+    so is a name the target does not declare."""
+    data = json.loads(json.dumps(data))
+    data["releases"] = _ordered([*data["releases"], version])
+    problems: list[str] = []
+    for patch in patches:
+        targets = data["patches"].setdefault(patch.id, {})
+        for target in patch.targets:
+            entries = targets.setdefault(target.key, {})
+            digest = fingerprint_of_target(read, target)
+            if digest is None:
+                continue  # absent in this release: the derived verdict says what that means
+            entry = entries.get(digest)
+            if entry is None:
+                prefixes = [prefix for prefix in named if digest.startswith(prefix)]
+                allowed = [*(target.variants or {"original": {}}), "fixed", "before"]
+                if not prefixes:
+                    problems.append(
+                        f"{patch.id}: {target.key} is code the data does not know (sha256 {digest}): read it, "
+                        f"then --variant {digest[:12]}=NAME ({', '.join(allowed)}), or write a new variant of "
+                        f"the replacement first; shipped by transformers {version}"
+                    )
+                    continue
+                name = named[prefixes[0]]
+                if name not in allowed:
+                    problems.append(f"{patch.id}: {target.key} declares no variant {name!r} ({', '.join(allowed)})")
+                    continue
+                if used is not None:
+                    used.update(prefixes)
+                entry = entries[digest] = {"code": name, "releases": []}
+            entry["releases"] = _ordered([*entry["releases"], version])
+    return data, problems
+
+
+def _merged(problems: list[str]) -> list[str]:
+    """One line per problem, the releases that show it joined: ``...; shipped by transformers
+    5.13.0, 5.13.1``."""
+    marker = "; shipped by transformers "
+    merged: dict[str, list[str]] = {}
+    for problem in problems:
+        text, _, release = problem.partition(marker)
+        merged.setdefault(text, []).extend([release] if release else [])
+    return [text + (marker + ", ".join(found) if found else "") for text, found in merged.items()]
+
+
+def derive_all(data: dict, patches: Sequence) -> list[str]:
+    """What :mod:`overlay.releases` refuses in ``data`` (a gap in a patch's releases, code after
+    its last affected release that is not a fix ...), one line each."""
+    from overlay import releases
+
+    problems = []
+    for patch in patches:
+        try:
+            releases.derive(patch.id, patch.targets, data)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 # -- wheels ---------------------------------------------------------------------------------
@@ -357,6 +491,63 @@ def as_json(reports: Sequence[ReleaseReport]) -> str:
     return json.dumps(data, indent=2)
 
 
+def update_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--add`` / ``--remove``: the data file, rewritten only when every release went in cleanly."""
+    named = {}
+    for item in args.variant:
+        prefix, _, name = item.partition("=")
+        if len(prefix) < 8 or not name or not re.fullmatch(r"[0-9a-f]+", prefix):
+            parser.error(f"--variant {item!r}: give SHA=NAME, SHA being at least 8 hex digits of the sha256")
+        named[prefix] = name
+    patches = (
+        [load_patch_module(name) for name in args.patch_modules] if args.patch_modules else matrix_data.load_patches()
+    )
+    data = read_data(args.data)
+    if args.add_known:
+        if not args.patch_modules:
+            parser.error("--add-known goes with --patch (the data's releases are already read for the shipped patches)")
+        args.add = [*data["releases"], *args.add]
+    if args.patch_modules:
+        new = [item for item in args.add if not item.endswith(".whl") and item not in data["releases"]]
+        if new or args.remove:
+            parser.error("with --patch, --add only releases the data covers and --remove none: a release "
+                         "enters or leaves the data for every patch at once (drop --patch)")
+    problems: list[str] = []
+    used: set[str] = set()
+    try:
+        for version in args.remove:
+            data = remove_release(data, version)
+        for item in args.add:
+            if item.endswith(".whl"):
+                wheel, version = Path(item), Path(item).name.split("-")[1]
+            else:
+                wheel, version = fetch_wheel(item, args.wheel_dir), item
+            data, found = add_release(data, version, wheel_reader(wheel), patches, named, used)
+            problems += found
+    except (ValueError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"fingerprint_release: {exc}", file=sys.stderr)
+        return 2
+    problems = _merged(problems)
+    problems += [f"--variant {prefix}: no target of the releases added has that code" for prefix in sorted(set(named) - used)]
+    problems += derive_all(data, patches) if not problems else []
+    if problems:
+        print(f"{args.data} left as it was; {len(problems)} problem(s):")
+        print("\n".join(f"  - {msg}" for msg in problems))
+        return 1
+    text = format_data(data)
+    changed = text != args.data.read_text(encoding="utf-8")
+    args.data.write_text(text, encoding="utf-8")
+    def listed(verb: str, versions: list[str]) -> list[str]:
+        if len(versions) > 3:
+            return [f"{verb} {len(versions)} releases ({versions[0]} ... {versions[-1]})"]
+        return [f"{verb} {v}" for v in versions]
+
+    done = [*listed("removed", args.remove), *listed("added", args.add)]
+    print(f"{args.data}: {', '.join(done)}" + ("" if changed else " (no change)"))
+    print("next: the release's lane line in scripts/matrix_data.py (RELEASES), then python scripts/readme_table.py")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/fingerprint_release.py",
@@ -376,7 +567,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "listed in patches/__init__.py yet, e.g. while writing it)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when any target is NEW, missing, or disagrees with the declared versions")
+    parser.add_argument("--add", action="append", default=[], metavar="VERSION",
+                        help="record what this release ships in the data file (repeatable)")
+    parser.add_argument("--remove", action="append", default=[], metavar="VERSION",
+                        help="take this release out of the data file (repeatable)")
+    parser.add_argument("--add-known", action="store_true",
+                        help="with --patch: read every release the data covers again (a new patch file's first facts)")
+    parser.add_argument("--variant", action="append", default=[], metavar="SHA=NAME",
+                        help="with --add: the code whose sha256 starts with SHA is variant NAME of its target "
+                        "('fixed': upstream's fix; 'before': code from before the bug)")
+    parser.add_argument("--data", type=Path, default=DATA_FILE, help=f"the data file (default {DATA_FILE})")
     args = parser.parse_args(argv)
+    if args.add or args.remove or args.add_known:
+        return update_data(args, parser)
+    if args.variant:
+        parser.error("--variant goes with --add")
     if args.all_releases:
         args.releases = [*matrix_data.RELEASES, *(r for r in args.releases if r not in matrix_data.RELEASES)]
     if not args.releases and not args.installed:

@@ -27,8 +27,9 @@ from typing import Iterable, Sequence
 REPO = Path(__file__).resolve().parent.parent
 
 #: Every transformers release the matrix proves, oldest first (one nox lane each). Adding a
-#: release: run ``scripts/fingerprint_release.py --check NEW``, update the patch files it flags,
-#: append the release here, then ``python scripts/readme_table.py``.
+#: release: ``scripts/fingerprint_release.py --add NEW`` (which code it ships, into
+#: ``patches/releases.json``), append the release here, then ``python scripts/readme_table.py``
+#: (CONTRIBUTING.md: adding a transformers release).
 RELEASES: tuple[str, ...] = (
     # The pinned accelerator stacks' releases: the newest patch release of each minor 4.55 - 5.12.
     "4.55.4",

@@ -132,10 +132,10 @@ class PatchUnderTest:
         affected = SpecifierSet(self.patch.affected)
         for spec in self.patch.targets:
             for label in (variant.label for variant in spec.originals.values()):
-                for bound in label.split("-"):
+                for bound in (b for run in _label_runs(label) for b in run):
                     assert affected.contains(Version(bound), prereleases=True), label
             for label in spec.fixed.values():
-                for bound in label.split("-"):
+                for bound in (b for run in _label_runs(label) for b in run):
                     assert Version(bound) >= Version(self.patch.fixed_in), label
 
     @contextlib.contextmanager
@@ -166,15 +166,24 @@ class PatchUnderTest:
 
 
 def label_names(label: str, release: Any) -> bool:
-    """Whether a release label (``"5.0.0-5.2.0"``, ``"5.0.0rc1"``) names ``release`` (a
-    ``packaging`` Version): a range by release number (5.0.0rc3 ships 5.0.0's code), a single
-    prerelease exactly."""
+    """Whether a release label (``"5.0.0-5.2.0"``, ``"5.0.0rc0-5.0.0rc1, 5.3.0"``: runs of the
+    releases ``patches/releases.json`` covers, pre-releases among them) names ``release`` (a
+    ``packaging`` Version; a local build, ``5.18.0+neuron``, by its public part)."""
     from packaging.version import Version
 
-    low, _, high = label.partition("-")
-    if not high and Version(low).is_prerelease:
-        return Version(low) == release
-    return Version(low) <= Version(release.base_version) <= Version(high or low)
+    return any(Version(low) <= Version(release.public) <= Version(high) for low, high in _label_runs(label))
+
+
+def _label_runs(label: str) -> list[tuple[str, str]]:
+    from ..releases import NO_RELEASE
+
+    if label == NO_RELEASE:
+        return []
+    runs = []
+    for run in label.split(","):
+        low, _, high = run.strip().partition("-")
+        runs.append((low, high or low))
+    return runs
 
 
 def _environment(extra: "dict[str, str] | None") -> dict:

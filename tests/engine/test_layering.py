@@ -1,12 +1,13 @@
 """The import drawing of the package: every arrow runs down a floor, never along one or back up.
 
 Floors, top to bottom:
-  7  ``overlay/__init__`` (the public API facade), ``overlay/apply.py`` and ``__main__`` (``-m`` entries)
-  6  tools: ``overlay.cli``, ``overlay.doctor``
-  5  the test kit: ``overlay.testing``
-  4  the engine: ``overlay.engine`` (gates, applies, reverts: knows no single patch)
-  3  the registry: ``overlay.registry`` (which patch files ship)
-  2  the patch files: ``overlay.patches`` (data and replacements; they import leaves only)
+  8  ``overlay/__init__`` (the public API facade), ``overlay/apply.py`` and ``__main__`` (``-m`` entries)
+  7  tools: ``overlay.cli``, ``overlay.doctor``
+  6  the test kit: ``overlay.testing``
+  5  the engine: ``overlay.engine`` (gates, applies, reverts: knows no single patch)
+  4  the registry: ``overlay.registry`` (which patch files ship)
+  3  the patch files: ``overlay.patches`` (data and replacements; they import leaves only)
+  2  the release facts: ``overlay.releases`` (builds a patch file's ``PATCH`` from ``patches/releases.json``)
   1  leaves: ``overlay.patch`` (the patch format and the verdict),
      ``overlay.report``, ``overlay.guard``, ``overlay.tree_move``, ``overlay.call_forwarding``,
      ``overlay._version``, ``overlay._patch_files`` (where the patch files are, in either layout)
@@ -26,12 +27,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 FLOORS = {
-    "overlay": 7, "overlay.apply": 7, "overlay.__main__": 7,
-    "overlay.cli": 6, "overlay.doctor": 6,
-    "overlay.testing": 5,
-    "overlay.engine": 4,
-    "overlay.registry": 3,
-    "overlay.patches": 2,
+    "overlay": 8, "overlay.apply": 8, "overlay.__main__": 8,
+    "overlay.cli": 7, "overlay.doctor": 7,
+    "overlay.testing": 6,
+    "overlay.engine": 5,
+    "overlay.registry": 4,
+    "overlay.patches": 3,
+    "overlay.releases": 2,
     "overlay.config": 0,
     "overlay.patch": 1, "overlay.report": 1, "overlay.guard": 1, "overlay.tree_move": 1,
     "overlay.call_forwarding": 1,
@@ -163,7 +165,7 @@ def test_what_the_import_hook_loads_imports_no_torch_or_transformers_module():
             continue
         loaded_by_the_hook.add(name)
         pending.extend(imported for imported, _ in _module_level_imports(name, *modules[name]) if imported.startswith("overlay"))
-    assert {"overlay.patches.kv_cache_dtype", "overlay.patch", "overlay.guard", "overlay._patch_files"} <= loaded_by_the_hook
+    assert {"overlay.patches.kv_cache_dtype", "overlay.patch", "overlay.guard", "overlay._patch_files", "overlay.releases"} <= loaded_by_the_hook
     assert "overlay.tree_move" not in loaded_by_the_hook
     found = [
         f"{modules[name][0].relative_to(REPO)}:{line}: {imported}"

@@ -55,3 +55,22 @@ def test_every_label_lies_inside_the_patchs_range(module):
 @pytest.mark.parametrize("module", list(MODULES.values()), ids=list(MODULES))
 def test_patch_file_imports_neither_torch_nor_transformers(module):
     assert heavy_imports(f"overlay.patches.{module}") == []
+
+
+@pytest.mark.parametrize("module", list(MODULES.values()), ids=list(MODULES))
+def test_patch_file_takes_its_release_facts_from_the_data(module):
+    # Which release ships which code, affected and fixed_in live in patches/releases.json: a patch
+    # file that typed them would be a second word on the same facts, and go stale with a release.
+    import ast
+    import inspect
+
+    from overlay import releases
+
+    source = inspect.getsource(_patch_files.module(module))
+    (assignment,) = [n for n in ast.parse(source).body if isinstance(n, ast.Assign)
+                     and any(isinstance(t, ast.Name) and t.id == "PATCH" for t in n.targets)]
+    assert isinstance(assignment.value, ast.Call) and ast.unparse(assignment.value.func) == "patch_with_release_facts"
+    declared = {kw.arg for node in ast.walk(assignment.value) if isinstance(node, ast.Call) for kw in node.keywords}
+    assert declared.isdisjoint({"affected", "fixed_in", "introduced_in", "originals", "fixed"}), declared
+    patch = _under_test(module).patch
+    assert patch.id in releases.load()["patches"]

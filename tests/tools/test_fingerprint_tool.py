@@ -253,3 +253,74 @@ def test_new_and_missing_code_is_flagged_only_where_the_patch_applies(monkeypatc
     # Before the bug: the engine never reads this code, so a different one is no problem.
     report = _report(monkeypatch, _toy_patch(), "5.12.0", "c")
     assert (report.declared, report.problems) == (matrix_data.OUT_OF_RANGE, [])
+
+
+# -- the release facts: patches/releases.json, written by --add / --remove ---------------------
+
+
+def test_the_data_file_is_as_the_tool_writes_it():
+    # Hand edits that the tool would reformat show up here, not as noise in the next --add.
+    assert tool.format_data(tool.read_data()) == tool.DATA_FILE.read_text(encoding="utf-8")
+
+
+def test_every_lane_is_a_release_the_data_knows():
+    # A lane proves a release's behaviour; the data is what says which code it ships. A lane
+    # without the data's word would have its labels and ranges guessed.
+    known = set(tool.read_data()["releases"])
+    assert [r for r in matrix_data.RELEASES if r not in known] == []
+    assert matrix_data.FULL_SUITE_RELEASE in known
+
+
+def test_removing_the_installed_release_and_adding_it_back_changes_nothing(tmp_path, capsys):
+    # The maintainer's loop on the lane's own release, read from its installed files (what its
+    # wheel holds): remove, then --add with the wheel, gives the file back byte for byte.
+    data_file = tmp_path / "releases.json"
+    data_file.write_text(tool.DATA_FILE.read_text(encoding="utf-8"), encoding="utf-8")
+    assert tool.main(["--data", str(data_file), "--remove", INSTALLED_VERSION]) == 0
+    removed = tool.read_data(data_file)
+    assert INSTALLED_VERSION not in removed["releases"]
+    assert not any(
+        INSTALLED_VERSION in entry["releases"]
+        for targets in removed["patches"].values() for entries in targets.values() for entry in entries.values()
+    )
+    wheel = _wheel_from_installed(tmp_path, INSTALLED_VERSION)
+    assert tool.main(["--data", str(data_file), "--add", str(wheel)]) == 0
+    assert data_file.read_text(encoding="utf-8") == tool.DATA_FILE.read_text(encoding="utf-8")
+    assert "added" in capsys.readouterr().out
+
+
+def test_adding_a_release_with_new_code_writes_nothing_until_the_code_is_named(tmp_path, capsys):
+    covering = [p for p in PATCHES if matrix_data.expected_status(p, INSTALLED_VERSION) == matrix_data.APPLIED]
+    if not covering:
+        pytest.skip(f"no patch applies on transformers {INSTALLED_VERSION}")
+    patch = covering[0]
+    target = next(t for t in patch.targets if _runtime_function(t) is not None)
+    data_file = tmp_path / "releases.json"
+    data_file.write_text(tool.DATA_FILE.read_text(encoding="utf-8"), encoding="utf-8")
+    assert tool.main(["--data", str(data_file), "--remove", INSTALLED_VERSION]) == 0
+    before = data_file.read_text(encoding="utf-8")
+    wheel = _wheel_from_installed(tmp_path, INSTALLED_VERSION, change=(target.module, target.qualname))
+    capsys.readouterr()
+
+    assert tool.main(["--data", str(data_file), "--add", str(wheel)]) == 1
+    out = capsys.readouterr().out
+    assert data_file.read_text(encoding="utf-8") == before
+    (problem,) = [line for line in out.splitlines() if "does not know" in line]
+    assert target.key in problem and "--variant" in problem
+    digest = problem.split("sha256 ")[1].split(")")[0]
+
+    # A name the target does not declare is refused; one it declares is recorded.
+    assert tool.main(["--data", str(data_file), "--add", str(wheel), "--variant", f"{digest[:12]}=no_such_variant"]) == 1
+    assert data_file.read_text(encoding="utf-8") == before
+    name = next(iter(target.variants or {"original": {}}))
+    assert tool.main(["--data", str(data_file), "--add", str(wheel), "--variant", f"{digest[:12]}={name}"]) == 0
+    entry = tool.read_data(data_file)["patches"][patch.id][target.key][digest]
+    assert entry == {"code": name, "releases": [INSTALLED_VERSION]}
+
+
+def test_variant_without_add_and_a_short_prefix_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        tool.main(["--variant", "abcdef012345=fixed"])
+    with pytest.raises(SystemExit):
+        tool.main(["--add", INSTALLED_VERSION, "--variant", "abc=fixed"])
+    capsys.readouterr()
