@@ -45,6 +45,7 @@ The full account (every case, the modes, the costs, the variants): docs/patches/
 from __future__ import annotations
 
 import sys
+from typing import Any, NamedTuple
 
 from overlay import guard
 from overlay.patch import Target, fingerprint, wraps
@@ -56,14 +57,21 @@ PATCH_ID = "kv-cache-dtype"
 CROSS_ATTR = "_attn_overlay_cross_attention_cache"
 
 
+# -- the fast paths: one Cache.update replacement per shape of stock's ----------------------------
+# Each is stock's own body for the common case (layer there, dtypes agree) with the dtype checks in
+# front, written out in full for its shape: a shared helper would add a Python frame per layer and
+# step (about 300 instructions), the whole budget. Anything else goes to the slow path.
+
+
 def _replace_cache_update(original, variant):
-    """``Cache.update`` with the dtype checks in front (see the module docstring)."""
+    """``Cache.update`` with the dtype checks in front (see the module docstring): the fast path
+    of the variant's shape (``variant["fast_path"]``), around what the slow path needs to know."""
     static = _static_layers(original.__globals__, variant)
-    dynamic_layer = _dynamic_layer(original.__globals__)
-    if variant["cache_processors"]:
-        return _replace_processed_cache_update(original, static, dynamic_layer)
-    if variant["named_cache_kwargs"]:
-        return _replace_named_cache_kwargs_update(original, static, dynamic_layer)
+    return variant["fast_path"](original, static, _dynamic_layer(original.__globals__))
+
+
+def _replace_any_cache_kwargs_update(original, static, dynamic_layer):
+    """5.4.0 on: ``Cache.update(key_states, value_states, layer_idx, *args, **kwargs)``."""
 
     @wraps(original)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -162,6 +170,55 @@ def _replace_named_cache_kwargs_update(original, static, dynamic_layer):
     return update
 
 
+def _replace_processed_cache_update(original, static, dynamic_layer):
+    """4.55.x: ``Cache.update`` is ``@apply_processors`` around ``append_new_layers`` and ``layer.update``.
+
+    Stock runs, in this order: the cache processor's ``pre_update`` (when ``cache_processor`` is
+    set), ``self.append_new_layers(layer_idx)``, the layer's ``update(key_states, value_states,
+    cache_kwargs)``, the processor's ``post_update``. The fast path is that sequence for a cache
+    without a processor, whose layer ``layer_idx`` stores exactly the incoming dtypes: the
+    processor check (``None``), the same ``append_new_layers`` call, the same layer call; only
+    the decorator's wrapper frame is gone. A cache with a processor (``OffloadedCache``,
+    ``OffloadedStaticCache``, the quantized caches, a user's ``CacheProcessor``) always takes the
+    slow path, which calls the original, hooks included: no hook is ever skipped, and the write
+    side casts before ``pre_update`` sees the states (offloading moves layers, never states; the
+    quantized processor only works after the update).
+    """
+
+    @wraps(original)
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        # Only the checks are inside ``try``: an error raised by append_new_layers or by the
+        # layer's own update reaches the caller as on stock, and runs once. An object without
+        # ``cache_processor`` goes to the original, which raises stock's AttributeError.
+        try:
+            plain = self.cache_processor is None
+        except AttributeError:
+            plain = False
+        if plain:
+            # Stock's first statement when no processor is set (appends layers up to layer_idx).
+            self.append_new_layers(layer_idx)
+            try:
+                layer = self.layers[layer_idx]
+                if type(layer) is dynamic_layer:  # three dtype reads (see _dynamic_layer)
+                    dtype = key_states.dtype
+                    fast = layer.keys.dtype is dtype and (
+                        (cached := layer.values.dtype) is dtype or cached is value_states.dtype
+                    )
+                else:
+                    fast = layer.keys.dtype is key_states.dtype and layer.values.dtype is value_states.dtype
+            except (AttributeError, TypeError, IndexError):
+                fast = False
+            if fast:
+                return layer.update(key_states, value_states, cache_kwargs)
+        # (A plain cache's layers are appended already: the original's own append is a no-op.)
+        return _slow_update(original, static, self, key_states, value_states, layer_idx, (cache_kwargs,), {})
+
+    return update
+
+
+# -- what the fast paths read: the dynamic layer, the static layer that checks itself -------------
+
+
 #: ``StaticLayer.update`` as 4.56.0-5.3.0 ship it (fingerprints, as for patch targets): lazy
 #: initialisation (in the states' dtypes, so a fresh layer never mismatches), then the new states
 #: written with ``index_copy_`` (``index_put_`` where that is not implemented), keys first. Both
@@ -239,50 +296,7 @@ def _mark_own_write_check(cache, layer_idx, refusing_layer, key_states, value_st
         layer.__dict__[OWN_WRITE_CHECK] = not _dtypes_differ(layer, key_states, value_states)
 
 
-def _replace_processed_cache_update(original, static, dynamic_layer):
-    """4.55.x: ``Cache.update`` is ``@apply_processors`` around ``append_new_layers`` and ``layer.update``.
-
-    Stock runs, in this order: the cache processor's ``pre_update`` (when ``cache_processor`` is
-    set), ``self.append_new_layers(layer_idx)``, the layer's ``update(key_states, value_states,
-    cache_kwargs)``, the processor's ``post_update``. The fast path is that sequence for a cache
-    without a processor, whose layer ``layer_idx`` stores exactly the incoming dtypes: the
-    processor check (``None``), the same ``append_new_layers`` call, the same layer call; only
-    the decorator's wrapper frame is gone. A cache with a processor (``OffloadedCache``,
-    ``OffloadedStaticCache``, the quantized caches, a user's ``CacheProcessor``) always takes the
-    slow path, which calls the original, hooks included: no hook is ever skipped, and the write
-    side casts before ``pre_update`` sees the states (offloading moves layers, never states; the
-    quantized processor only works after the update).
-    """
-
-    @wraps(original)
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        # Only the checks are inside ``try``: an error raised by append_new_layers or by the
-        # layer's own update reaches the caller as on stock, and runs once. An object without
-        # ``cache_processor`` goes to the original, which raises stock's AttributeError.
-        try:
-            plain = self.cache_processor is None
-        except AttributeError:
-            plain = False
-        if plain:
-            # Stock's first statement when no processor is set (appends layers up to layer_idx).
-            self.append_new_layers(layer_idx)
-            try:
-                layer = self.layers[layer_idx]
-                if type(layer) is dynamic_layer:  # three dtype reads (see _dynamic_layer)
-                    dtype = key_states.dtype
-                    fast = layer.keys.dtype is dtype and (
-                        (cached := layer.values.dtype) is dtype or cached is value_states.dtype
-                    )
-                else:
-                    fast = layer.keys.dtype is key_states.dtype and layer.values.dtype is value_states.dtype
-            except (AttributeError, TypeError, IndexError):
-                fast = False
-            if fast:
-                return layer.update(key_states, value_states, cache_kwargs)
-        # (A plain cache's layers are appended already: the original's own append is a no-op.)
-        return _slow_update(original, static, self, key_states, value_states, layer_idx, (cache_kwargs,), {})
-
-    return update
+# -- the slow path: every update the fast path does not take ---------------------------------------
 
 
 def _slow_update(original, static, cache, key_states, value_states, layer_idx, args, kwargs):
@@ -381,14 +395,22 @@ def _writes_in_place(layer, static, kv_length):
     (``copy_`` casts), which works on stock and must stay as stock. A layer class with an
     ``update`` of its own is assumed to write in place.
     """
-    rule = static[1].get(type(layer).update)
+    rule = static.in_place_rules.get(type(layer).update)
     return True if rule is None else rule(layer, kv_length)
+
+
+class StaticLayers(NamedTuple):
+    """What the slow path knows of a release's static layers (read once, when the replacement is built)."""
+
+    layer_class: Any  # the release's StaticLayer
+    in_place_rules: dict  # a sliding layer class's own ``update`` -> whether this write is in place
+    initialise: Any  # the layers' lazy initialisation, as their own ``update`` runs it
+    casting: frozenset  # the own ``update`` of each layer class that casts to its buffers' dtype itself
 
 
 def _static_layers(namespace, variant):
     """What the slow path needs to know about a release's static layers, from the variant:
-    ``(StaticLayer, {a sliding layer's own update: its in-place rule}, the lazy initialisation,
-    {the own update of each layer class that casts the states to its buffers' dtype itself})``.
+    :class:`StaticLayers`.
 
     ``variant["sliding_layers"]`` names the sliding layer classes of the releases that share this
     ``Cache.update`` and the rule of each class's *own* ``update``; a named class that does not
@@ -406,65 +428,7 @@ def _static_layers(namespace, variant):
         for own_update in (vars(namespace.get(name, object)).get("update") for name in variant["casts_on_write"])
         if own_update is not None
     )
-    return namespace.get("StaticLayer"), rules, variant["initialise"], casting
-
-
-# -- what differs between releases (the variants' parameters) ----------------------------------
-# Lazy initialisation, exactly as the first statement of that release's static layer ``update``.
-
-
-def _initialise_keys_and_values(layer, key_states, value_states):
-    """5.0.0 on: ``if not self.is_initialized: self.lazy_initialization(key_states, value_states)``."""
-    if not layer.is_initialized:
-        layer.lazy_initialization(key_states, value_states)
-
-
-def _allocated_by_constructor(layer, key_states, value_states):
-    """4.55.x: no lazy initialisation; ``StaticLayer.__init__`` allocates the buffers."""
-
-
-def _initialise_from_keys(layer, key_states, value_states):
-    """4.56.x-4.57.x: ``lazy_initialization(key_states)`` (values take the keys' dtype and shape),
-    when ``keys is None`` (4.56's test; 4.57's ``is_initialized`` is set with ``keys``, by
-    ``lazy_initialization`` only, so it is the same test there)."""
-    if layer.keys is None:
-        layer.lazy_initialization(key_states)
-
-
-# Whether a sliding layer's own ``update`` writes in place (index_copy_/index_put_ refuse another
-# dtype) for ``kv_length`` new states; elsewhere it concatenates and ``copy_``s (works on stock).
-
-
-def _window_in_place(current, room, kv_length):
-    # full: one token is written with index_put_, more are concatenated; not full: index_copy_
-    # while the window has room, concatenated when this update overflows it.
-    if current >= room:
-        return kv_length == 1
-    return current + kv_length <= room
-
-
-def _window_writes(layer, kv_length):
-    """``StaticSlidingWindowLayer.update``, 5.4.0 on: its length as a Python int is ``cumulative_length_int``."""
-    return _window_in_place(layer.cumulative_length_int, layer.max_cache_len, kv_length)
-
-
-def _window_writes_int_length(layer, kv_length):
-    """``StaticSlidingWindowLayer.update``, 4.57.x-5.3.0: ``cumulative_length`` is a Python int."""
-    return _window_in_place(layer.cumulative_length, layer.max_cache_len, kv_length)
-
-
-def _rolling_window_writes(layer, kv_length):
-    """4.56's ``SlidingWindowLayer.update``: a prefill longer than the window is ``copy_``-ed (and the
-    states returned as they came); any other update is written with ``index_copy_`` (not full) or
-    ``index_put_`` into a rolled copy (full)."""
-    return kv_length <= layer.max_cache_len
-
-
-def _chunked_window_writes(layer, kv_length):
-    """4.56's ``ChunkedSlidingLayer.update``: ``index_copy_`` while the window has room; once full,
-    or when this update overflows it, ``torch.cat`` then ``copy_``."""
-    current, room = layer.cumulative_length, layer.max_cache_len
-    return current < room and current + kv_length <= room
+    return StaticLayers(namespace.get("StaticLayer"), rules, variant["initialise"], casting)
 
 
 def _autocast_dtype(states):
@@ -544,6 +508,9 @@ def _align_cross_layer(cross, layer_idx, key_states, value_states, mode, compili
             done.append(f"converted {stored.dtype} cross-attention cache {which} to {dtype}")
 
 
+# -- EncoderDecoderCache.__init__: where a cross-attention cache is found -------------------------
+
+
 def _replace_encoder_decoder_init(original, variant):
     """``EncoderDecoderCache.__init__`` that tells the self-attention cache its cross-attention cache."""
 
@@ -564,12 +531,70 @@ def _replace_encoder_decoder_init(original, variant):
 # The sliding layer classes of each variant's releases, with the rule of each class's own update.
 # 4.55: ChunkedSlidingLayer's update writes in place (index_copy_) while the window has room, as 4.56's;
 # StaticLayer and SlidingWindowLayer cast the states to their buffers' dtype first (``_CASTS_4_55``).
+# -- what differs between releases (the variants' parameters) ----------------------------------
+# Lazy initialisation, exactly as the first statement of that release's static layer ``update``.
+
+
+def _initialise_keys_and_values(layer, key_states, value_states):
+    """5.0.0 on: ``if not self.is_initialized: self.lazy_initialization(key_states, value_states)``."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(key_states, value_states)
+
+
+def _allocated_by_constructor(layer, key_states, value_states):
+    """4.55.x: no lazy initialisation; ``StaticLayer.__init__`` allocates the buffers."""
+
+
+def _initialise_from_keys(layer, key_states, value_states):
+    """4.56.x-4.57.x: ``lazy_initialization(key_states)`` (values take the keys' dtype and shape),
+    when ``keys is None`` (4.56's test; 4.57's ``is_initialized`` is set with ``keys``, by
+    ``lazy_initialization`` only, so it is the same test there)."""
+    if layer.keys is None:
+        layer.lazy_initialization(key_states)
+
+
+# Whether a sliding layer's own ``update`` writes in place (index_copy_/index_put_ refuse another
+# dtype) for ``kv_length`` new states; elsewhere it concatenates and ``copy_``s (works on stock).
+
+
+def _window_in_place(current, room, kv_length):
+    # full: one token is written with index_put_, more are concatenated; not full: index_copy_
+    # while the window has room, concatenated when this update overflows it.
+    if current >= room:
+        return kv_length == 1
+    return current + kv_length <= room
+
+
+def _window_writes(layer, kv_length):
+    """``StaticSlidingWindowLayer.update``, 5.4.0 on: its length as a Python int is ``cumulative_length_int``."""
+    return _window_in_place(layer.cumulative_length_int, layer.max_cache_len, kv_length)
+
+
+def _window_writes_int_length(layer, kv_length):
+    """``StaticSlidingWindowLayer.update``, 4.57.x-5.3.0: ``cumulative_length`` is a Python int."""
+    return _window_in_place(layer.cumulative_length, layer.max_cache_len, kv_length)
+
+
+def _rolling_window_writes(layer, kv_length):
+    """4.56's ``SlidingWindowLayer.update``: a prefill longer than the window is ``copy_``-ed (and the
+    states returned as they came); any other update is written with ``index_copy_`` (not full) or
+    ``index_put_`` into a rolled copy (full)."""
+    return kv_length <= layer.max_cache_len
+
+
+def _chunked_window_writes(layer, kv_length):
+    """4.56's ``ChunkedSlidingLayer.update``: ``index_copy_`` while the window has room; once full,
+    or when this update overflows it, ``torch.cat`` then ``copy_``."""
+    current, room = layer.cumulative_length, layer.max_cache_len
+    return current < room and current + kv_length <= room
+
+
 _SLIDING_4_55 = {"ChunkedSlidingLayer": _chunked_window_writes}
 _CASTS_4_55 = ("StaticLayer", "SlidingWindowLayer")
 # 4.56 on: Cache.update calls the layer itself (no CacheProcessor hooks) and no layer casts on write.
-_FROM_4_56 = {"cache_processors": False, "casts_on_write": ()}
-_NAMED_CACHE_KWARGS = {"named_cache_kwargs": True}  # 4.56.0-5.3.0: Cache.update(..., cache_kwargs=None)
-_ANY_ARGUMENTS = {"named_cache_kwargs": False}  # 5.4.0 on: Cache.update(..., *args, **kwargs)
+_FROM_4_56 = {"casts_on_write": ()}
+_NAMED_CACHE_KWARGS = {"fast_path": _replace_named_cache_kwargs_update}  # 4.56.0-5.3.0: (..., cache_kwargs=None)
+_ANY_ARGUMENTS = {"fast_path": _replace_any_cache_kwargs_update}  # 5.4.0 on: Cache.update(..., *args, **kwargs)
 _SLIDING_4_56_TO_4_57 = {
     "SlidingWindowLayer": _rolling_window_writes,  # 4.56 (4.57: a deprecated alias, no update of its own)
     "ChunkedSlidingLayer": _chunked_window_writes,  # 4.56 (4.57: the same)
@@ -603,8 +628,7 @@ PATCH = patch_with_release_facts(
             variants={
                 # @apply_processors (CacheProcessor hooks) around append_new_layers / layer.update.
                 "cache_processors": {
-                    "cache_processors": True,
-                    "named_cache_kwargs": True,
+                    "fast_path": _replace_processed_cache_update,
                     "casts_on_write": _CASTS_4_55,
                     "initialise": _allocated_by_constructor,
                     "sliding_layers": _SLIDING_4_55,

@@ -55,7 +55,7 @@ STATIC_LAYERS_CAST_ON_WRITE = _VARIANT is not None and bool(_VARIANT["casts_on_w
 # advance cumulative_length before writing).
 REFUSING_STATIC_LAYER = (
     PATCH.patch_module._layer_refusing_other_dtypes(vars(cache_utils))
-    if _VARIANT is not None and _VARIANT["named_cache_kwargs"] and not _VARIANT["cache_processors"]
+    if _VARIANT is not None and _VARIANT["fast_path"] is PATCH.patch_module._replace_named_cache_kwargs_update
     else None
 )
 
@@ -459,7 +459,7 @@ def test_hot_path_runs_no_extra_python_frame(cache_kind):
     # 4.55.x: stock's Cache.update is the wrapper @apply_processors puts around it (its processor checks,
     # then the decorated update); the replacement is one function: exactly that frame fewer. None elsewhere.
     wrapper = stock_calls["apply_processors.<locals>._wrapped_update"]
-    assert wrapper == (1 if _VARIANT["cache_processors"] else 0), stock_calls
+    assert wrapper == (1 if _VARIANT["fast_path"] is PATCH.patch_module._replace_processed_cache_update else 0), stock_calls
     # 4.56.0-5.3.0, a StaticLayer: no dtype is read, the layer's own write refuses another one; the
     # price is one leaf call, torch.compiler.is_dynamo_compiling() (a refusal cannot be caught in a
     # graph), ~150 instructions against the four .dtype reads' ~1,700. No other frame, no wrapper.
