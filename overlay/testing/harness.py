@@ -34,7 +34,10 @@ from typing import Any, Iterator, Sequence
 from .. import _patch_files
 from ..patch import Patch
 
-__all__ = ["PatchUnderTest", "label_names", "run_json_worker", "assert_generated", "heavy_imports", "counting_aten_ops"]
+__all__ = [
+    "PatchUnderTest", "label_names", "run_json_worker", "assert_generated", "heavy_imports", "counting_aten_ops",
+    "SCORE_TOLERANCE", "max_score_difference", "assert_same_generation", "assert_bit_for_bit",
+]
 
 # The accelerator a patch's error text names, e.g. "cuda:0" or "neuron:0": error(device=) swaps it.
 _DEVICE_IN_TEXT = re.compile(r"\b(?:cuda|neuron|xla|mps|hpu|xpu|npu):\d+")
@@ -223,6 +226,40 @@ def assert_generated(run: dict, ids: Any) -> None:
     generated exactly ``ids``."""
     assert run["ok"], run.get("error")
     assert run["ids"] == ids
+
+
+#: Generation computed another way than stock's (in chunks, say) multiplies matrices of other shapes:
+#: its float32 scores and logits agree with the reference to rounding.
+SCORE_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def max_score_difference(run: dict, reference: dict) -> float:
+    """The largest difference between two run records' ``scores`` (tensors)."""
+    return float((run["scores"] - reference["scores"]).abs().max())
+
+
+def assert_same_generation(run: dict, reference: dict) -> None:
+    """``run`` finished with ``reference``'s ids, and its scores and logits agree to rounding
+    (:data:`SCORE_TOLERANCE`)."""
+    import torch
+
+    assert run["ok"], run.get("error")
+    assert run["ids"] == reference["ids"]
+    torch.testing.assert_close(run["scores"], reference["scores"], **SCORE_TOLERANCE)
+    torch.testing.assert_close(run["logits"], reference["logits"], **SCORE_TOLERANCE)
+
+
+def assert_bit_for_bit(run: dict, stock: dict, *also: str) -> None:
+    """Both runs finished, and ``run`` has exactly ``stock``'s ids, scores and logits (and the
+    fields named in ``also``): where the overlay must change nothing."""
+    import torch
+
+    assert stock["ok"] and run["ok"], (stock.get("error"), run.get("error"))
+    assert run["ids"] == stock["ids"]
+    assert torch.equal(run["scores"], stock["scores"]), "not bit for bit stock's scores"
+    assert torch.equal(run["logits"], stock["logits"]), "not bit for bit stock's logits"
+    for name in also:
+        assert run[name] == stock[name], name
 
 
 def heavy_imports(module: str, heavy: Sequence[str] = ("torch", "transformers")) -> list[str]:

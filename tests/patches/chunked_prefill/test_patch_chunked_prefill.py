@@ -49,7 +49,9 @@ from packaging.version import Version
 
 import overlay
 from overlay.patch import fingerprint
-from overlay.testing.harness import PatchUnderTest, label_names, heavy_imports
+from overlay.testing.harness import (
+    PatchUnderTest, assert_bit_for_bit, assert_same_generation, heavy_imports, label_names, max_score_difference,
+)
 
 PATCH = PatchUnderTest("chunked_prefill")
 PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
@@ -83,8 +85,6 @@ CHUNK = 8
 MAX_NEW_TOKENS = 4  # max_length 21: a static cache of 20 slots, as in the declared error
 USER_CACHE_LENGTH = 64
 CASES = ("static", "beam-static", "user-static", "dynamic", "default")
-#: Chunks multiply matrices of other shapes than one prefill: the scores agree to rounding.
-SCORE_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 #: A stock run that is silently wrong is off by far more than rounding.
 WRONG_BY_AT_LEAST = 1e-3
 
@@ -283,28 +283,6 @@ def _stock_silently_wrong(kind: str, batch: str, case: str) -> bool:
     return DECODES_ONE_LATE and (case == "user-static" or kind == "gemma3" or WHOLE_PROMPT_POSITION_IDS)
 
 
-def _max_difference(run: dict, reference: dict) -> float:
-    return float((run["scores"] - reference["scores"]).abs().max())
-
-
-def _assert_same_generation(run: dict, reference: dict) -> None:
-    import torch
-
-    assert run["ok"], run.get("error")
-    assert run["ids"] == reference["ids"]
-    torch.testing.assert_close(run["scores"], reference["scores"], **SCORE_TOLERANCE)
-    torch.testing.assert_close(run["logits"], reference["logits"], **SCORE_TOLERANCE)
-
-
-def _assert_bit_for_bit(run: dict, stock: dict) -> None:
-    import torch
-
-    assert stock["ok"] and run["ok"], (stock.get("error"), run.get("error"))
-    assert run["ids"] == stock["ids"]
-    assert torch.equal(run["scores"], stock["scores"]), "not bit for bit stock's scores"
-    assert torch.equal(run["logits"], stock["logits"]), "not bit for bit stock's logits"
-
-
 ALL = pytest.mark.parametrize("kind,batch,case", [(k, b, c) for k in MODELS for b in BATCHES for c in CASES])
 
 
@@ -329,15 +307,15 @@ def test_chunked_prefill_on_stock_transformers(runs, kind, batch, case):
         assert _numbers_blurred(chunked["error"]) == _numbers_blurred(error), chunked["error"]
     elif _stock_silently_wrong(kind, batch, case):
         assert chunked["ok"], chunked.get("error")
-        assert _max_difference(chunked, reference) > WRONG_BY_AT_LEAST, "stock was expected to differ here"
+        assert max_score_difference(chunked, reference) > WRONG_BY_AT_LEAST, "stock was expected to differ here"
     else:
-        _assert_same_generation(chunked, reference)
+        assert_same_generation(chunked, reference)
 
 
 @ALL
 def test_chunked_prefill_with_the_overlay_equals_the_unchunked_run(runs, kind, batch, case):
     record = runs[kind][batch][case]["patched"]
-    _assert_same_generation(record["chunked"], record["reference"])
+    assert_same_generation(record["chunked"], record["reference"])
 
 
 def _chunk_count(prefilled: int) -> int:
@@ -412,7 +390,7 @@ def test_the_overlay_changes_nothing_where_stock_works(runs, kind, batch, case):
     if not EMPTY_CACHE_BUGS or (stock_chunked_is_right and not DECODES_ONE_LATE):
         pairs.append(("chunked", "chunked"))
     for stock_key, patched_key in pairs:
-        _assert_bit_for_bit(record["patched"][patched_key], record["stock"][stock_key])
+        assert_bit_for_bit(record["patched"][patched_key], record["stock"][stock_key])
 
 
 @ALL
@@ -496,7 +474,7 @@ def test_padded_batch_on_stock_transformers(padded_runs, kind, cache):
         assert chunked["ids"][0] == reference["ids"][0]  # the row without padding is right
         assert chunked["ids"][1] != reference["ids"][1], "stock was expected to give the padded row other tokens"
     elif not EMPTY_CACHE_BUGS:
-        _assert_same_generation(chunked, reference)
+        assert_same_generation(chunked, reference)
     else:
         pytest.skip(
             f"transformers {TRANSFORMERS_VERSION}: the chunks' position ids follow the padding (5.0.0rc3 on); "
@@ -507,12 +485,12 @@ def test_padded_batch_on_stock_transformers(padded_runs, kind, cache):
 @PADDED
 def test_padded_batch_with_the_overlay_equals_the_unchunked_run(padded_runs, kind, cache):
     record = padded_runs[kind][cache]["patched"]
-    _assert_same_generation(record["chunked"], record["reference"])
+    assert_same_generation(record["chunked"], record["reference"])
 
 
 @PADDED
 def test_padded_batch_unchunked_run_is_stock_bit_for_bit(padded_runs, kind, cache):
     record = padded_runs[kind][cache]
-    _assert_bit_for_bit(record["patched"]["reference"], record["stock"]["reference"])
+    assert_bit_for_bit(record["patched"]["reference"], record["stock"]["reference"])
     if not EMPTY_CACHE_BUGS:
-        _assert_bit_for_bit(record["patched"]["chunked"], record["stock"]["chunked"])
+        assert_bit_for_bit(record["patched"]["chunked"], record["stock"]["chunked"])

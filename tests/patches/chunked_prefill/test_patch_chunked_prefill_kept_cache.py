@@ -27,7 +27,7 @@ import pytest
 from packaging.version import Version
 
 import overlay
-from overlay.testing.harness import PatchUnderTest
+from overlay.testing.harness import PatchUnderTest, assert_bit_for_bit, assert_same_generation, max_score_difference
 
 PATCH = PatchUnderTest("chunked_prefill")
 PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
@@ -65,8 +65,6 @@ REFERENCE_LENGTH = COLUMNS + NEW_TOKENS - 1
 #: head_dim 8 and weights drawn wider than the default 0.02: attention sharp enough that a wrong
 #: position moves the argmax (tests/patches/chunked_prefill/test_patch_chunked_prefill.py does the same).
 SIZES = dict(hidden_size=32, intermediate_size=64, initializer_range=0.3)
-#: Chunks multiply matrices of other shapes than one prefill: the scores agree to rounding.
-SCORE_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 #: A stock run that is silently wrong is off by far more than rounding.
 WRONG_BY_AT_LEAST = 1e-3
 
@@ -217,28 +215,6 @@ def _appends(kind: str, cache: str) -> bool:
     return cache == "dynamic" or not STATIC_WRITES_AT_CACHE_POSITION or (kind == "gemma3" and SLIDING_LAYER_COUNTS)
 
 
-def _max_difference(run: dict, reference: dict) -> float:
-    return float((run["scores"] - reference["scores"]).abs().max())
-
-
-def _assert_same_generation(run: dict, reference: dict) -> None:
-    import torch
-
-    assert run["ok"], run.get("error")
-    assert run["ids"] == reference["ids"]
-    torch.testing.assert_close(run["scores"], reference["scores"], **SCORE_TOLERANCE)
-    torch.testing.assert_close(run["logits"], reference["logits"], **SCORE_TOLERANCE)
-
-
-def _assert_bit_for_bit(run: dict, stock: dict) -> None:
-    import torch
-
-    assert stock["ok"] and run["ok"], (stock.get("error"), run.get("error"))
-    assert (run["ids"], run["length"]) == (stock["ids"], stock["length"])
-    assert torch.equal(run["scores"], stock["scores"]) and torch.equal(run["logits"], stock["logits"])
-    assert run["forwards"] == stock["forwards"]
-
-
 def test_engine_status(runs):
     status = runs["status"]
     if AFFECTED:
@@ -257,7 +233,7 @@ def test_the_unchunked_reference_is_right_and_stock_bit_for_bit(runs, kind, batc
     assert reference["length"] == REFERENCE_LENGTH
     # The prompt's forward takes the tokens after the prefix, at their own positions.
     assert _prefill_tokens(reference) == COLUMNS - PREFIX
-    _assert_bit_for_bit(record["patched"]["reference"], reference)
+    assert_bit_for_bit(record["patched"]["reference"], reference, "length", "forwards")
     assert record["patched"]["reference"]["fired"] == {}
 
 
@@ -267,7 +243,7 @@ def test_kept_cache_on_stock_transformers(runs, kind, batch, cache, prompt):
     chunked, reference = record["stock"]["chunked"], record["stock"]["reference"]
     assert chunked["ok"], chunked.get("error")
     if not AFFECTED:  # 5.21.0 on: the chunks start after what the cache holds
-        _assert_same_generation(chunked, reference)
+        assert_same_generation(chunked, reference)
         assert chunked["length"] == REFERENCE_LENGTH
         assert _prefill_positions(chunked) == _prefill_positions(reference)
         return
@@ -282,21 +258,21 @@ def test_kept_cache_on_stock_transformers(runs, kind, batch, cache, prompt):
     assert _prefill_tokens(chunked) == COLUMNS - PREFIX
     # The new tokens embedded at the prefix's positions: other scores (Gemma 3's unpadded batch
     # keeps its argmax on 5.18.0 - 5.20.2).
-    assert _max_difference(chunked, reference) > WRONG_BY_AT_LEAST
+    assert max_score_difference(chunked, reference) > WRONG_BY_AT_LEAST
 
 
 @ALL
 def test_kept_cache_with_the_overlay_equals_the_unchunked_run(runs, kind, batch, cache, prompt):
     record = _record(runs, kind, batch, cache, prompt)
     chunked, reference = record["patched"]["chunked"], record["patched"]["reference"]
-    _assert_same_generation(chunked, reference)
+    assert_same_generation(chunked, reference)
     assert chunked["length"] == reference["length"] == REFERENCE_LENGTH
     assert _prefill_tokens(chunked) == COLUMNS - PREFIX
     assert _prefill_positions(chunked) == _prefill_positions(reference)
     # Decoding: the same positions as after the unchunked prefill.
     assert chunked["forwards"][-(NEW_TOKENS - 1):] == reference["forwards"][-(NEW_TOKENS - 1):]
     if not AFFECTED:
-        _assert_bit_for_bit(chunked, record["stock"]["chunked"])
+        assert_bit_for_bit(chunked, record["stock"]["chunked"], "length", "forwards")
 
 
 @ALL
@@ -324,6 +300,6 @@ def test_an_empty_cache_is_stock_where_stock_is_right(runs, kind, batch, cache):
     if not EMPTY_CACHE_RIGHT_ON_STOCK:
         pytest.skip(f"transformers {TRANSFORMERS_VERSION}: stock's chunked prefill onto an empty cache has this "
                     "release's other bugs (tests/patches/chunked_prefill/test_patch_chunked_prefill.py)")
-    _assert_bit_for_bit(record["patched"], record["stock"])
+    assert_bit_for_bit(record["patched"], record["stock"], "length", "forwards")
     assert record["patched"]["fired"] == {}
     assert record["stock"]["length"] == REFERENCE_LENGTH
