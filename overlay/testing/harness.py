@@ -96,6 +96,17 @@ class PatchUnderTest:
 
         return self.gate == engine.FIXED_UPSTREAM
 
+    def assert_reported(self, status: dict) -> None:
+        """A worker's status record of this patch (``{"state", "variants"}``) is what this release
+        gets: applied, through one variant whose label names the installed release, where the
+        release is affected; fixed upstream where it ships the fix."""
+        if self.affected:
+            assert status["state"] == "applied", status
+            (label,) = status["variants"]  # one target per release (the others absent there)
+            assert label_names(label, self.transformers), status
+        else:
+            assert self.fixed_upstream and status["state"] == "fixed upstream", status
+
     def skip_module_unless_covered(self) -> None:
         """At a test module's top: skip the whole module on releases before the patch's range
         (a release neither affected nor fixed upstream)."""

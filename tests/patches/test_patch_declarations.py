@@ -74,3 +74,20 @@ def test_patch_file_takes_its_release_facts_from_the_data(module):
     assert declared.isdisjoint({"affected", "fixed_in", "introduced_in", "originals", "fixed"}), declared
     patch = _under_test(module).patch
     assert patch.id in releases.load()["patches"]
+
+
+@pytest.mark.parametrize("module", list(MODULES.values()), ids=list(MODULES))
+def test_a_workers_status_record_is_held_to_what_this_release_gets(module):
+    # PatchUnderTest.assert_reported, which the patches' worker-run tests use: it refuses another
+    # state, and (where the release is affected) a variant label that does not name the release.
+    under_test = _under_test(module)
+    with pytest.raises(AssertionError):
+        under_test.assert_reported({"state": "failed", "variants": []})
+    if under_test.affected:
+        with pytest.raises(AssertionError):
+            under_test.assert_reported({"state": "applied", "variants": ["1.0.0"]})
+        known = [v.label for t in under_test.patch.targets for v in t.originals.values()
+                 if label_names(v.label, TRANSFORMERS)]
+        under_test.assert_reported({"state": "applied", "variants": known[:1]})
+    elif under_test.fixed_upstream:
+        under_test.assert_reported({"state": "fixed upstream", "variants": []})
