@@ -1,7 +1,7 @@
 """Test sessions: the whole suite, and one lane per transformers release.
 
     nox                     # what CI runs (tag "ci"): the suite on 5.18.0 + the representative lanes
-    nox -t matrix           # every release lane, 4.55.4 ... 5.24.0 (the full matrix)
+    nox -t matrix           # every release lane (RELEASES in scripts/matrix_data.py: the full matrix)
     nox -s neuron-stack     # the Neuron stack's torch 2.8.0 + transformers 4.57.6 (large download)
     nox -s newest           # maintainers: the newest transformers on the index, what each patch meets there
     nox -t pythons          # the torch-free tests on CPython 3.10 ... 3.13 (each must be on PATH;
@@ -26,6 +26,7 @@ Environments are reused between runs (``reuse_venv``); ``--reuse-venv=no`` rebui
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -174,7 +175,10 @@ def newest(session: nox.Session) -> None:
     if not listing:  # --install-only: nothing to report
         return
     newest_release = listing.split("(", 1)[1].split(")", 1)[0]  # "transformers (5.25.0)"
-    known = "in the matrix" if newest_release in matrix_data.RELEASES else "not in the matrix yet"
+    in_data = newest_release in json.loads((REPO / "patches" / "releases.json").read_text())["releases"]
+    known = ("in the matrix" if newest_release in matrix_data.RELEASES else "not in the matrix yet") + (
+        "" if in_data else f"; not in patches/releases.json yet: scripts/fingerprint_release.py --add {newest_release}"
+    )
     session.log(f"newest transformers on the index: {newest_release} ({known})")
     session.run("python", str(REPO / "scripts" / "fingerprint_release.py"), "--check", newest_release, *session.posargs)
 
