@@ -26,7 +26,6 @@ Environments are reused between runs (``reuse_venv``); ``--reuse-venv=no`` rebui
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -175,7 +174,9 @@ def newest(session: nox.Session) -> None:
     if not listing:  # --install-only: nothing to report
         return
     newest_release = listing.split("(", 1)[1].split(")", 1)[0]  # "transformers (5.25.0)"
-    in_data = newest_release in json.loads((REPO / "patches" / "releases.json").read_text())["releases"]
+    from overlay import releases  # matrix_data made this checkout's overlay importable
+
+    in_data = newest_release in releases.load()["releases"]
     known = ("in the matrix" if newest_release in matrix_data.RELEASES else "not in the matrix yet") + (
         "" if in_data else f"; not in patches/releases.json yet: scripts/fingerprint_release.py --add {newest_release}"
     )

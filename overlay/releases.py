@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any, Mapping, Sequence
 
 from . import _patch_files
@@ -84,6 +85,45 @@ def label(shipped: Sequence[str], releases: Sequence[str]) -> str:
     if not runs:
         return NO_RELEASE
     return ", ".join(low if low == high else f"{low}-{high}" for low, high in runs)
+
+
+_VERSION = r"\d+(?:\.\d+)*(?:rc\d+)?"
+_RUN = re.compile(rf"^\s*({_VERSION})\s*(?:-\s*({_VERSION}))?\s*$")
+
+
+def label_runs(text: str) -> list[tuple[str, str]] | None:
+    """:func:`label` read back: ``(first, last)`` of each run (``[]`` for :data:`NO_RELEASE`), or
+    ``None`` for text that is not a release label."""
+    if text == NO_RELEASE:
+        return []
+    runs = []
+    for run in text.split(","):
+        match = _RUN.match(run)
+        if not match:
+            return None
+        runs.append((match.group(1), match.group(2) or match.group(1)))
+    return runs
+
+
+def label_covers(text: str, version: str) -> bool | None:
+    """Whether a release label names ``version`` (``None``: the text is not a release label)."""
+    from packaging.version import Version
+
+    runs = label_runs(text)
+    if runs is None:
+        return None
+    return any(Version(low) <= Version(version) <= Version(high) for low, high in runs)
+
+
+def variant_names(target: Target) -> Mapping[str, Mapping[str, Any]]:
+    """The target's variants by name (one, ``"original"``, where it declares none)."""
+    return target.variants or {"original": {}}
+
+
+def codes_of(target: Target) -> list[str]:
+    """What the data may say a fingerprint of ``target`` is: one of its variants, or the fix, or
+    code from before the bug."""
+    return [*variant_names(target), FIXED, BEFORE]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +184,7 @@ def derive(patch_id: str, targets: Sequence[Target], data: Mapping[str, Any] | N
     originals: dict[str, dict[str, Variant]] = {}
     fixed: dict[str, dict[str, str]] = {}
     for target in targets:
-        names = target.variants or {"original": {}}
+        names = variant_names(target)
         originals[target.key], fixed[target.key] = {}, {}
         for digest, entry in facts.get(target.key, {}).items():
             code, shipped = entry["code"], entry["releases"]
@@ -154,7 +194,7 @@ def derive(patch_id: str, targets: Sequence[Target], data: Mapping[str, Any] | N
                 if code not in names:
                     raise ValueError(
                         f"{where}: {target.key} code {digest[:12]} is variant {code!r}, which the target does not "
-                        f"declare (its variants: {', '.join(names)}; or 'fixed', 'before')"
+                        f"declare ({', '.join(codes_of(target))})"
                     )
                 originals[target.key][digest] = Variant(label(shipped, releases), dict(names[code]))
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import io
 import json
 import os
@@ -55,6 +56,7 @@ import matrix_data  # noqa: E402  (the scripts folder is not a package)
 
 matrix_data.ensure_overlay_importable()
 
+from overlay import releases  # noqa: E402
 from overlay.patch import (  # noqa: E402, F401  (the match words are the tool's too)
     ABSENT_OPTIONAL,
     FIXED,
@@ -181,23 +183,12 @@ def installed_transformers() -> tuple[str, Path]:
 
 # -- classification -------------------------------------------------------------------------
 
-_VERSION = r"\d+(?:\.\d+)*(?:rc\d+)?"
-_LABEL = re.compile(rf"^\s*({_VERSION})\s*(?:-\s*({_VERSION}))?\s*$")
-
-
 def label_covers(label: str, version: str) -> bool | None:
     """Whether a variant label such as ``"5.15.0-5.17.0"`` or ``"5.18.0"`` names ``version``;
     ``None`` for a label that is not a release range (free text is allowed)."""
-    from packaging.version import Version
+    from overlay import releases
 
-    covered = False
-    for run in label.split(","):
-        match = _LABEL.match(run)
-        if not match:
-            return None
-        low, high = Version(match.group(1)), Version(match.group(2) or match.group(1))
-        covered = covered or low <= Version(version) <= high
-    return covered
+    return releases.label_covers(label, version)
 
 
 @dataclass
@@ -284,8 +275,6 @@ def load_patch_module(name: str):
     """The ``PATCH`` of ``patches/<name>.py`` (``name`` may carry the ``.py`` or a folder)."""
     import importlib
 
-    from overlay import releases
-
     releases.allow_drafts = True  # a patch file being written has no data yet: --add gives it some
     module = importlib.import_module(f"overlay.patches.{Path(name).stem}")
     patch = getattr(module, "PATCH", None)
@@ -296,7 +285,7 @@ def load_patch_module(name: str):
 
 # -- the release facts (patches/releases.json) ------------------------------------------------
 
-DATA_FILE = matrix_data.REPO / "patches" / "releases.json"
+DATA_FILE = Path(releases.data_path())
 ABOUT = (
     "Which transformers release ships which code of each patch target: sha256 -> the variant it is "
     "('fixed': upstream's fix; 'before': from before the bug) and the releases that ship it. Written by "
@@ -322,8 +311,8 @@ def format_data(data: dict) -> str:
         out.append(f"    {json.dumps(patch_id)}: {{")
         for j, (key, entries) in enumerate(targets.items()):
             out.append(f"      {json.dumps(key)}: {{")
-            lines = [f"        {json.dumps(digest)}: {json.dumps(entry)}" for digest, entry in entries.items()]
-            out.append(",\n".join(lines)) if lines else None
+            out += [f"        {json.dumps(digest)}: {json.dumps(entry)}" + ("," if k < len(entries) - 1 else "")
+                    for k, (digest, entry) in enumerate(entries.items())]
             out.append("      }" + ("," if j < len(targets) - 1 else ""))
         out.append("    }" + ("," if i < len(patches) - 1 else ""))
     out += ["  }", "}", ""]
@@ -341,7 +330,7 @@ def remove_release(data: dict, version: str) -> dict:
     so that adding it back restores exactly what was there."""
     if version not in data["releases"]:
         raise ValueError(f"transformers {version} is not in the data")
-    data = json.loads(json.dumps(data))
+    data = copy.deepcopy(data)
     data["releases"].remove(version)
     for targets in data["patches"].values():
         for entries in targets.values():
@@ -357,7 +346,7 @@ def add_release(data: dict, version: str, read: ReadFile, patches: Sequence, nam
     the fingerprint the data knows it by, or under the name ``named`` gives its sha256 prefix
     (the prefixes that named something are added to ``used``). Code nobody named is a problem;
     so is a name the target does not declare."""
-    data = json.loads(json.dumps(data))
+    data = copy.deepcopy(data)
     data["releases"] = _ordered([*data["releases"], version])
     problems: list[str] = []
     for patch in patches:
@@ -370,7 +359,7 @@ def add_release(data: dict, version: str, read: ReadFile, patches: Sequence, nam
             entry = entries.get(digest)
             if entry is None:
                 prefixes = [prefix for prefix in named if digest.startswith(prefix)]
-                allowed = [*(target.variants or {"original": {}}), "fixed", "before"]
+                allowed = releases.codes_of(target)
                 if not prefixes:
                     problems.append(
                         f"{patch.id}: {target.key} is code the data does not know (sha256 {digest}): read it, "
@@ -403,8 +392,6 @@ def _merged(problems: list[str]) -> list[str]:
 def derive_all(data: dict, patches: Sequence) -> list[str]:
     """What :mod:`overlay.releases` refuses in ``data`` (a gap in a patch's releases, code after
     its last affected release that is not a fix ...), one line each."""
-    from overlay import releases
-
     problems = []
     for patch in patches:
         try:
@@ -502,7 +489,8 @@ def update_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     patches = (
         [load_patch_module(name) for name in args.patch_modules] if args.patch_modules else matrix_data.load_patches()
     )
-    data = read_data(args.data)
+    original = args.data.read_text(encoding="utf-8")
+    data = json.loads(original)
     if args.add_known:
         if not args.patch_modules:
             parser.error("--add-known goes with --patch (the data's releases are already read for the shipped patches)")
@@ -535,7 +523,7 @@ def update_data(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         print("\n".join(f"  - {msg}" for msg in problems))
         return 1
     text = format_data(data)
-    changed = text != args.data.read_text(encoding="utf-8")
+    changed = text != original
     args.data.write_text(text, encoding="utf-8")
     def listed(verb: str, versions: list[str]) -> list[str]:
         if len(versions) > 3:

@@ -189,14 +189,11 @@ def label_names(label: str, release: Any) -> bool:
 
 
 def _label_runs(label: str) -> list[tuple[str, str]]:
-    from ..releases import NO_RELEASE
+    from ..releases import label_runs
 
-    if label == NO_RELEASE:
-        return []
-    runs = []
-    for run in label.split(","):
-        low, _, high = run.strip().partition("-")
-        runs.append((low, high or low))
+    runs = label_runs(label)
+    if runs is None:
+        raise ValueError(f"not a release label: {label!r}")
     return runs
 
 

@@ -29,6 +29,17 @@ def test_labels_are_the_runs_of_the_releases_that_ship_the_code():
     assert releases.label([], RELEASES) == releases.NO_RELEASE
 
 
+def test_a_label_reads_back_as_its_runs():
+    # The fingerprint tool and the test kit read labels with this; free text is no label.
+    assert releases.label_runs("5.13.0, 5.15.0-5.16.0") == [("5.13.0", "5.13.0"), ("5.15.0", "5.16.0")]
+    assert releases.label_runs("5.0.0rc0-5.0.0rc1") == [("5.0.0rc0", "5.0.0rc1")]
+    assert releases.label_runs(releases.NO_RELEASE) == []
+    assert releases.label_runs("the 5.x line") is None
+    assert releases.label_covers("5.13.0, 5.15.0-5.16.0", "5.15.0") is True
+    assert releases.label_covers("5.13.0, 5.15.0-5.16.0", "5.14.0") is False
+    assert releases.label_covers(releases.NO_RELEASE, "5.14.0") is False
+
+
 def test_a_fixed_bug_gets_its_range_fix_and_labels_from_the_data():
     target = _target(variants={"old": {"x": 1}, "new": {"x": 2}})
     derived = releases.derive("toy", [target], _data({

@@ -271,11 +271,17 @@ def test_every_lane_is_a_release_the_data_knows():
     assert matrix_data.FULL_SUITE_RELEASE in known
 
 
-def test_removing_the_installed_release_and_adding_it_back_changes_nothing(tmp_path, capsys):
+@pytest.fixture
+def data_file(tmp_path) -> Path:
+    """A copy of the shipped data file, for the tool to rewrite."""
+    copy = tmp_path / "releases.json"
+    copy.write_text(tool.DATA_FILE.read_text(encoding="utf-8"), encoding="utf-8")
+    return copy
+
+
+def test_removing_the_installed_release_and_adding_it_back_changes_nothing(tmp_path, data_file, capsys):
     # The maintainer's loop on the lane's own release, read from its installed files (what its
     # wheel holds): remove, then --add with the wheel, gives the file back byte for byte.
-    data_file = tmp_path / "releases.json"
-    data_file.write_text(tool.DATA_FILE.read_text(encoding="utf-8"), encoding="utf-8")
     assert tool.main(["--data", str(data_file), "--remove", INSTALLED_VERSION]) == 0
     removed = tool.read_data(data_file)
     assert INSTALLED_VERSION not in removed["releases"]
@@ -289,14 +295,12 @@ def test_removing_the_installed_release_and_adding_it_back_changes_nothing(tmp_p
     assert "added" in capsys.readouterr().out
 
 
-def test_adding_a_release_with_new_code_writes_nothing_until_the_code_is_named(tmp_path, capsys):
+def test_adding_a_release_with_new_code_writes_nothing_until_the_code_is_named(tmp_path, data_file, capsys):
     covering = [p for p in PATCHES if matrix_data.expected_status(p, INSTALLED_VERSION) == matrix_data.APPLIED]
     if not covering:
         pytest.skip(f"no patch applies on transformers {INSTALLED_VERSION}")
     patch = covering[0]
     target = next(t for t in patch.targets if _runtime_function(t) is not None)
-    data_file = tmp_path / "releases.json"
-    data_file.write_text(tool.DATA_FILE.read_text(encoding="utf-8"), encoding="utf-8")
     assert tool.main(["--data", str(data_file), "--remove", INSTALLED_VERSION]) == 0
     before = data_file.read_text(encoding="utf-8")
     wheel = _wheel_from_installed(tmp_path, INSTALLED_VERSION, change=(target.module, target.qualname))
