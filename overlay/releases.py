@@ -64,8 +64,15 @@ def load() -> dict[str, Any]:
     """The data file, read once per process."""
     global _loaded
     if _loaded is None:
-        with open(data_path(), encoding="utf-8") as file:
-            _loaded = json.load(file)
+        path = data_path()
+        try:
+            with open(path, encoding="utf-8") as file:
+                _loaded = json.load(file)
+        except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, a bad encoding
+            raise RuntimeError(
+                f"attn-overlay cannot read its release facts ({path}: {getattr(exc, 'strerror', None) or exc}); "
+                "reinstall it: pip install --force-reinstall --no-deps attn-overlay"
+            ) from exc
     return _loaded
 
 

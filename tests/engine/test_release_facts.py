@@ -119,3 +119,14 @@ def test_every_shipped_patch_is_built_from_the_data():
             assert target.originals or not any(
                 e["code"] not in (releases.FIXED, releases.BEFORE) for e in data["patches"][patch.id][target.key].values()
             )
+
+
+@pytest.mark.parametrize("content", [None, '{"releases": ['])
+def test_a_missing_or_broken_data_file_names_itself_and_the_fix(tmp_path, monkeypatch, content):
+    path = tmp_path / "releases.json"
+    if content is not None:
+        path.write_text(content, encoding="utf-8")
+    monkeypatch.setattr(releases, "_loaded", None)
+    monkeypatch.setattr(releases, "data_path", lambda: str(path))
+    with pytest.raises(RuntimeError, match=r"cannot read its release facts .*releases\.json.*reinstall"):
+        releases.load()
