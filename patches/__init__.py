@@ -15,4 +15,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "dynamic_cache_reset",
     "static_cache_zero_kv_shared_layers",
     "chunked_attention_left_padding",
+    "position_ids_advance",
 )
