@@ -82,6 +82,17 @@ def _shared_torch(session: nox.Session) -> Path:
     return folder
 
 
+#: Prints transformers' own requirements (no extras), one per line, except the names given.
+_DECLARED_REQUIREMENTS = """
+import importlib.metadata, sys
+from packaging.requirements import Requirement
+for text in importlib.metadata.requires("transformers") or ():
+    requirement = Requirement(text)
+    if requirement.name not in sys.argv[1:] and (requirement.marker is None or requirement.marker.evaluate({"extra": ""})):
+        print(requirement)
+"""
+
+
 def _install(session: nox.Session, release: str, *, share_torch: bool, torch: str = matrix_data.TORCH) -> None:
     if session.run_install("python", "-c", "print('installing')", silent=True) is None:
         session.log("reusing the environment as it is (-R / --no-install): nothing installed or checked")
@@ -90,7 +101,17 @@ def _install(session: nox.Session, release: str, *, share_torch: bool, torch: st
     # torch is named with its exact version in every install: pip then keeps the shared (or
     # already installed) 2.13.0 and can never reach for another build (multi-GB CUDA wheels).
     # multidevice (accelerate): loading a model with tensor parallelism needs it.
-    session.install(f"torch=={torch}", f"transformers=={release}", "-e", f"{REPO}[test,multidevice]")
+    left_out = matrix_data.REQUIREMENTS_LEFT_OUT.get(release)
+    if left_out:
+        # The release without the requirements the index cannot satisfy, then the rest of what it
+        # declares (no extras), read from its installed metadata.
+        session.install(f"torch=={torch}", "-e", f"{REPO}[test,multidevice]")
+        session.install("--no-deps", f"transformers=={release}")
+        declared = session.run_install("python", "-c", _DECLARED_REQUIREMENTS, *left_out, silent=True)
+        session.install(f"torch=={torch}", *declared.splitlines())
+        session.log(f"transformers {release} without " + "; ".join(f"{n} ({why})" for n, why in left_out.items()))
+    else:
+        session.install(f"torch=={torch}", f"transformers=={release}", "-e", f"{REPO}[test,multidevice]")
     found = session.run_install(
         "python", "-c",
         "import importlib.metadata as m, torch; "
@@ -187,10 +208,14 @@ def newest(session: nox.Session) -> None:
 def _make_lane(release: str):
     def lane(session: nox.Session) -> None:
         _install(session, release, share_torch=True)
-        session.run("python", "-m", "pytest", "-ra", "--durations=10", *LANE_SELECTION, *session.posargs, env=TEST_ENV)
+        env = {**TEST_ENV, **matrix_data.LANE_ENVIRONMENT.get(release, {})}
+        session.run("python", "-m", "pytest", "-ra", "--durations=10", *LANE_SELECTION, *session.posargs, env=env)
 
     lane.__doc__ = (
-        f"transformers {release}: expected "
+        f"transformers {release}"
+        + "".join(f" (installed without {name}: {why})" for name, why in matrix_data.REQUIREMENTS_LEFT_OUT.get(release, {}).items())
+        + "".join(f" ({name}={value})" for name, value in matrix_data.LANE_ENVIRONMENT.get(release, {}).items())
+        + ": expected "
         + ", ".join(f"{pid} {state}" for pid, state in matrix_data.expected_statuses(release).items())
     )
     return lane
