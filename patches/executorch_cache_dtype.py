@@ -28,7 +28,8 @@ No variant parameters: what the replacement touches (each layer's ``keys`` / ``v
 shape above, so the variants are labels only.
 
 Fix: wrap ``__init__``. After the original has built the cache and registered its buffers, every
-cache layer whose tensors are not in the model's dtype gets new zero tensors of the same shapes
+cache layer whose tensors are not in the model's dtype (the decoder weights' dtype: 5.0.0rc1's
+``model.dtype`` still says float32 for a model cast to bfloat16 after construction) gets new zero tensors of the same shapes
 on the same device in the model's dtype (what the release's own allocation does, with static
 addresses marked as it marks them; done here rather than through ``lazy_initialization``, whose
 signature changed under one fingerprint of this target), the layer's ``dtype`` follows, and the
@@ -70,8 +71,11 @@ def _replace_init(original, variant):
 def _realloc_cache_in_model_dtype(module, model):
     import torch
 
-    dtype = getattr(model, "dtype", None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    # The dtype of the decoder's weights, which the states it writes have (no autocast in an exported
+    # program): not ``model.dtype``, which 5.0.0rc1 answers from construction (``_dtype``), so a
+    # model cast to bfloat16 afterwards still says float32 there.
+    dtype = next((p.dtype for p in module.decoder.parameters() if p.is_floating_point()), None)
+    if dtype is None:
         return
     reallocated = None
     for i, layer in enumerate(module.static_cache.layers):

@@ -96,6 +96,15 @@ def _flagged_initialised(layer) -> bool:
     return hasattr(layer, "max_batch_size") and getattr(layer, "is_initialized", True)
 
 
+def _model_dtype(model):
+    """``model.dtype``, except on 5.0.0rc1, whose ``dtype`` answers ``model._dtype`` (set at
+    construction) while it is set: a model cast afterwards (``model.to(torch.bfloat16)``) still says
+    float32 there, so read its weights as the other releases do."""
+    if model.__dict__.get("_dtype") is not None:
+        return next(p.dtype for p in model.parameters() if p.is_floating_point())
+    return model.dtype
+
+
 def make_replacement(original, variant):
     device_argument = variant["device_argument"]
     layer_ready = variant["layer_ready"]
@@ -104,9 +113,9 @@ def make_replacement(original, variant):
     @wraps(original)
     def kept_static_cache(self, *args, **kwargs):
         if device_argument is None:  # the release builds the cache on the model's device
-            now = (self.device, self.dtype)
+            now = (self.device, _model_dtype(self))
         else:  # 4.55: on the device it is given (the inputs')
-            now = (signature.bind(self, *args, **kwargs).arguments[device_argument], self.dtype)
+            now = (signature.bind(self, *args, **kwargs).arguments[device_argument], _model_dtype(self))
         kept = self.__dict__.get("_cache")
         if kept is not None:
             built_for = getattr(kept, STAMP, None) or _placement_from_tensors(self, kept)
