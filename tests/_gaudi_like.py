@@ -246,10 +246,12 @@ def adapt_like_gaudi() -> None:
             _reassign(GenerationMixin, attribute, GaudiLikeGenerationMixin.__dict__[name])
     # The top-level module as `import transformers` returns it now: transformers replaces its own
     # entry in sys.modules when processing_utils first runs (direct_transformers_import), so the
-    # object bound at this file's import may be a stale copy by now.
+    # object bound at this file's import may be a stale copy by now. It goes first: its lazy
+    # attribute resolves through transformers.generation, so read after that one was rebound it
+    # would record the stand-in as the original, and undo() would leave the stand-in there.
     for module in (
-        transformers.generation,
         sys.modules["transformers"],
+        transformers.generation,
         transformers.generation.configuration_utils,
         transformers.modeling_utils,
     ):
