@@ -18,7 +18,8 @@ everything a release number used to be typed for:
 - ``affected`` (``>=`` the first release where every target present is a known original, ``<``
   the first later release with the fix), ``fixed_in`` (that release, or ``None``), and
   ``introduced_in`` (the first affected release, where older releases ship ``"before"`` code);
-- ``"{newest_release}"`` in the ``upstream`` text: the newest release in the data.
+- ``"{newest_release}"`` in the ``upstream`` text: the newest release in the data; ``"{fixed_in}"``:
+  the derived ``fixed_in`` (a patch with no fix in the data may not use it).
 
 It lives between the leaves and the patch files (it imports :mod:`overlay.patch` and
 :mod:`overlay._patch_files`, and the patch files import it), reads the file once, and imports
@@ -43,6 +44,8 @@ FIXED = "fixed"
 BEFORE = "before"
 #: Placeholder in a patch's ``upstream`` text for the newest release the data covers.
 NEWEST = "{newest_release}"
+#: Placeholder in a patch's ``upstream`` text for the derived first release with the fix.
+FIXED_IN = "{fixed_in}"
 #: The label of code no release in the data ships (kept after ``--remove``, so that adding
 #: the release back restores it).
 NO_RELEASE = "no release in the data"
@@ -249,7 +252,10 @@ def patch_with_release_facts(*, targets: Sequence[Target], **declared: Any) -> P
     targets = tuple(
         dataclasses.replace(t, originals=derived.originals[t.key], fixed=derived.fixed[t.key]) for t in targets
     )
-    upstream = declared.pop("upstream").replace(NEWEST, derived.newest)
+    upstream = declared.pop("upstream")
+    if FIXED_IN in upstream and derived.fixed_in is None:
+        raise ValueError(f"patch {declared['id']!r}: its upstream text names {FIXED_IN}, but no release in {FILENAME} ships a fix")
+    upstream = upstream.replace(NEWEST, derived.newest).replace(FIXED_IN, derived.fixed_in or FIXED_IN)
     return Patch(
         **declared, upstream=upstream, targets=targets,
         affected=derived.affected, fixed_in=derived.fixed_in, introduced_in=derived.introduced_in,

@@ -107,6 +107,18 @@ def test_a_patch_file_declares_no_release_facts_itself(monkeypatch):
         releases.patch_with_release_facts(targets=[_target(originals={A: "1.0"})], **common)
 
 
+def test_the_upstream_text_takes_the_derived_fix_release(monkeypatch):
+    common = dict(id="toy", title="t", errors=(), why="w", upstream="#1, in {fixed_in}")
+    monkeypatch.setattr(releases, "_loaded", _data({
+        A: {"code": "original", "releases": RELEASES[:3]}, F: {"code": "fixed", "releases": RELEASES[3:]},
+    }))
+    patch = releases.patch_with_release_facts(targets=[_target()], **common)
+    assert (patch.fixed_in, patch.upstream) == ("5.14.0", "#1, in 5.14.0")
+    monkeypatch.setattr(releases, "_loaded", _data({A: {"code": "original", "releases": RELEASES}}))
+    with pytest.raises(ValueError, match="no release in releases.json ships a fix"):
+        releases.patch_with_release_facts(targets=[_target()], **common)
+
+
 def test_every_shipped_patch_is_built_from_the_data():
     from overlay.registry import load_patches
 
