@@ -16,4 +16,8 @@ PATCH_MODULES: tuple[str, ...] = (
     "static_cache_zero_kv_shared_layers",
     "chunked_attention_left_padding",
     "position_ids_advance",
+    "decoder_text_config_layers",
+    "generation_config_set_keys",
+    "generation_config_precedence",
+    "stop_strings_bytes",
 )

@@ -36,6 +36,9 @@ RELEASES: tuple[str, ...] = (
     "4.56.0",  # the first release with the fix for chunked attention with left padding
     "4.56.2",
     "4.57.6",
+    "5.0.0rc1",  # optimum-executorch's pin
+    "5.0.0rc2",  # the last release that overwrites an explicit GenerationConfig's booleans
+    "5.0.0rc3",  # the first with generation parameters that default to None ("not set")
     "5.0.0",
     "5.1.0",
     "5.2.0",
@@ -49,6 +52,7 @@ RELEASES: tuple[str, ...] = (
     "5.10.1",  # the first release with the fix for Gemma 4's empty static cache
     "5.10.4",
     "5.11.0",
+    "5.12.0",  # the first release with stop strings matched in bytes
     "5.12.1",
     # Every release since the first the overlay covered.
     "5.13.0",
@@ -109,7 +113,8 @@ NEURON_STACK: tuple[str, str] = ("4.57.6", "2.8.0")
 #: their lanes whatever the patches' ranges say, because that is where users cannot upgrade.
 PINNED_BY_STACKS: dict[str, str] = {
     "4.57.6": "optimum-neuron 0.4.x (transformers~=4.57.1)",
-    "5.0.0": "optimum-executorch 1.1.0 (transformers==5.0.0rc1; 5.0.0 is its release)",
+    "5.0.0rc1": "optimum-executorch 1.1.0 (transformers==5.0.0rc1)",
+    "5.0.0": "optimum-executorch 1.1.0's transformers==5.0.0rc1, released as 5.0.0",
 }
 
 def ensure_overlay_importable() -> None:
