@@ -546,11 +546,19 @@ def _allocated_by_constructor(layer, key_states, value_states):
 
 
 def _initialise_from_keys(layer, key_states, value_states):
-    """4.56.x-4.57.x: ``lazy_initialization(key_states)`` (values take the keys' dtype and shape),
+    """4.56.x-5.0.0rc2: ``lazy_initialization(key_states)`` (values take the keys' dtype and shape;
+    5.0.0rc2: ``(key_states, value_states)``),
     when ``keys is None`` (4.56's test; 4.57's ``is_initialized`` is set with ``keys``, by
     ``lazy_initialization`` only, so it is the same test there)."""
     if layer.keys is None:
-        layer.lazy_initialization(key_states)
+        # 5.0.0rc2 ships this Cache.update (one fingerprint with 4.56 - 5.0.0rc1) beside the
+        # two-argument lazy_initialization of 5.0.0rc3 on: read the layer's own method, once per layer.
+        import inspect
+
+        if len(inspect.signature(layer.lazy_initialization).parameters) > 1:
+            layer.lazy_initialization(key_states, value_states)
+        else:
+            layer.lazy_initialization(key_states)
 
 
 # Whether a sliding layer's own ``update`` writes in place (index_copy_/index_put_ refuse another
