@@ -20,4 +20,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "generation_config_set_keys",
     "generation_config_precedence",
     "stop_strings_bytes",
+    "repetition_penalty_padding",
 )
