@@ -21,4 +21,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "generation_config_precedence",
     "stop_strings_bytes",
     "repetition_penalty_padding",
+    "beam_search_recurrent_cache",
 )
