@@ -22,4 +22,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "stop_strings_bytes",
     "repetition_penalty_padding",
     "beam_search_recurrent_cache",
+    "static_cache_kv_head_sizes",
 )
