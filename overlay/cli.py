@@ -64,8 +64,24 @@ _VERIFY_CODE = """
 import importlib, json, logging, sys
 # Last on the path: used only where this process finds no overlay of its own (-S, -I, -P).
 sys.path.append(PACKAGE_ROOT)
+# Whether the startup hook ran at interpreter start: its .pth line (or .start file) imports this
+# module. Importing it here would install the hook, so where the start did not, it is read switched
+# off: the check must not activate what it checks (an editable install has no .pth, yet the module
+# is importable).
+hook_ran = "_attn_overlay_startup" in sys.modules
 try:
-    import _attn_overlay_startup as startup
+    if not hook_ran:
+        import os
+        switch = os.environ.get("ATTN_OVERLAY")
+        os.environ["ATTN_OVERLAY"] = "0"
+    try:
+        import _attn_overlay_startup as startup
+    finally:
+        if not hook_ran:
+            if switch is None:
+                del os.environ["ATTN_OVERLAY"]
+            else:
+                os.environ["ATTN_OVERLAY"] = switch
     shadowed = startup.shadowing_module()
 except (ImportError, AttributeError):
     startup = shadowed = None
@@ -84,7 +100,7 @@ for name in modules:
         importlib.import_module(name)
     except Exception as exc:
         errors[name] = f"{type(exc).__name__}: {exc}"
-hook_active = engine.is_active()
+hook_active = hook_ran and engine.is_active()
 if not hook_active:
     # Still show what the patches would reach here: the same gate on the same code, applied
     # explicitly (the modules are imported already, so the late-import warning is silenced).

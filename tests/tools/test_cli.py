@@ -85,6 +85,18 @@ def test_only_dash_S_is_blamed_for_a_hook_that_does_not_run(tmp_path):
     assert "or -I" not in why and "-I, isolated mode, does read them" in why
 
 
+def test_the_hook_check_does_not_activate_what_it_checks(tmp_path):
+    # A source tree (or an editable install) makes the startup module importable without any .pth
+    # having run it: the check's child imports it too, and must not count its own import.
+    script = "import sys; import transformers.generation.utils; print('_attn_overlay_startup' in sys.modules)"
+    plain = _python("-c", script, cwd=tmp_path, env={"ATTN_OVERLAY": "1"})
+    assert plain.stdout.strip() == "False", plain.stderr
+    done = _python("-m", "overlay.apply", "--json", cwd=tmp_path, env={"ATTN_OVERLAY": "1"})
+    hook = json.loads(done.stdout)["hook"]
+    assert hook["verified"] and hook["active"] is False, hook
+    assert "not a site directory" in hook["reason"], hook
+
+
 def test_the_fallback_flags_keep_dash_S_under_dash_I(monkeypatch):
     def unavailable():
         raise AttributeError("no such private helper")
