@@ -1,179 +1,42 @@
-"""Chunked prefill (``prefill_chunk_size``) gives every chunk the position ids of its rows (left
-padding included), starts after the tokens a cache passed in already holds, hands decoding the
-right position, and on 5.0.0 works with the default cache.
+"""Chunked prefill (``prefill_chunk_size``) gives every chunk its rows' own position ids, starts
+after the tokens a cache passed in already holds, hands decoding the right position, and on 5.0.0
+works with the default cache: it generates what the same call without chunking generates.
 
-What breaks (transformers 4.55.0 - 5.20.2): a cache that already holds tokens. A user runs a
-prefix through the model into their own cache, then calls ``generate(prefix + continuation,
-past_key_values=cache, prefill_chunk_size=N)``. Every chunk loop (below) starts at position 0
-whatever the cache holds: its chunks feed the whole prompt again, with positions and mask slices
-counted from 0. No error. A dynamic cache appends them: the prefix twice (22 entries instead of 16
-for a 6-token prefix, a 12-token prompt, 5 new tokens) and other tokens; so does a static cache
-from 5.4.0 (no ``cache_position``: a layer writes after what it holds) and a sliding static layer
-from 4.56.0 (it counts what it is given). Up to 5.3.0 a static full-attention layer is written at
-the chunks' own positions, over the prefix, with the same values: twice the prefill's work, and
-the tokens right unless another bug below hits. 5.3.0 on also take a prompt of the new tokens only
-(with the whole sequence's attention mask); the chunks then get the prefix's positions: other
-scores. Without chunking every release is right (its prefill takes the tokens after
-``cache.get_seq_length()``). 5.21.0 fixed it upstream: ``_prefill``'s chunked branch slices the
-prompt with ``next_sequence_length`` and starts at ``cache.get_seq_length()``.
+What breaks, by release (all silent unless an error is named):
+- 4.55.0 - 5.20.2: a cache that already holds a prefix. Every chunk loop starts at position 0, so
+  the prefix is fed again: a dynamic cache holds it twice (22 entries instead of 16), other tokens.
+  Fixed upstream in 5.21.0 (the chunks start at ``cache.get_seq_length()``).
+- 4.55.0 - 5.0.0rc2: left-padded rows. Every chunk gets ``position_ids = cache_position`` for all
+  rows, so a padded row's tokens are embedded too far (issue #43082, fixed by #43132 in 5.0.0rc3).
+- 5.0.0rc1 - 5.2.0: the decode position. The chunked branch leaves ``cache_position = [P]`` and
+  decoding advances it once more, so every token is written a slot late; a static cache overflows::
 
-What breaks (transformers 4.55.0 - 5.0.0rc2): left-padded rows. The chunk loop (4.55.0 - 4.57.x
-``GenerationMixin._prefill_chunking``, 5.0.0rc1 - rc2 the chunked branch of
-``GenerationMixin._prefill``) sets every chunk's ``position_ids`` to ``cache_position.unsqueeze(0)``:
-``start .. end-1`` for every row of the batch. A row padded on the left by ``k`` tokens has its
-tokens embedded ``k`` positions too far (rotary or learned positions), while the last prompt token
-and every decoded one (4.55 - 4.57 run them outside the chunks) get their positions from the
-attention mask, as without chunking. No error: the padded rows generate other tokens than an
-unchunked run, whatever the cache (static, dynamic, default); rows without padding are right (a
-tiny Qwen3, a batch of two with the second row padded by 3, chunk 3: the second row's tokens
-differ from the second one on, the first row's are the unchunked run's). 4.55.0 - 4.57.x chunk
-only greedy search and sampling (``_sample``): beam search ignores ``prefill_chunk_size`` there.
-Upstream issue #43082; 5.0.0rc3 removed the line (pull request #43132), leaving the ids to
-``prepare_inputs_for_generation``.
+      IndexError: index_copy_(): index 20 is out of bounds for dimension 2 with size 20
 
-What breaks (transformers 5.0.0rc1 - 5.2.0): the decode position. ``generate(...,
-prefill_chunk_size=N)`` runs ``GenerationMixin._prefill``, whose chunked branch feeds the whole
-prompt to the model chunk by chunk (positions ``0 .. P-1`` for a prompt of ``P`` tokens, all written
-to the cache) and then leaves ``model_kwargs["cache_position"]`` holding ``[P]``: the last chunk's
-last position plus one. The decoding loop treats the prefill as a step already taken and advances
-that once more (``_update_model_kwargs_for_generation``: ``cache_position[-1:] + 1``), so the first
-generated token is written at ``P + 1`` instead of ``P`` and every later one a slot late. With
-``cache_implementation="static"`` (the cache holds ``max_length - 1`` slots) the last step writes
-past the end::
+  5.2.0 also hands every chunk the whole prompt's ``position_ids`` (the last chunk's ids win).
+- 5.0.0rc1 - 5.0.0: the default cache. ``ValueError: Cannot use prefill chunking without a cache``.
 
-    IndexError: index_copy_(): index 20 is out of bounds for dimension 2 with size 20
+What the replacement does:
+- 4.55 - 4.57 (``_prefill_chunking``) and the release candidates' chunked branch: the chunk loop
+  is re-implemented step for step as the release's, but sets no ``position_ids``: each chunk's
+  ``prepare_inputs_for_generation`` derives them from its slice of the attention mask, which is
+  exactly the slice an unchunked prefill uses (a caller's own ids are sliced per chunk).
+- 5.0.0 - 5.2.0 (``_prefill``, wrapped): without chunking, the original alone. With it, the default
+  cache key is provided when the model builds its own cache; the prompt's ``position_ids`` are held
+  back from the chunks and put back after; ``cache_position`` becomes ``0 .. P-1``, the tensor an
+  unchunked prefill leaves.
+- A cache holding ``L > 0`` tokens, every release up to 5.20.2: the loop above runs from ``L`` (as
+  5.21.0), and leaves the mask, position ids and ``cache_position`` as the release's unchunked
+  prefill does (variant parameters ``prompt_repeats_the_cache``, ``cache_position_after``).
 
-(prompt 17 tokens, ``max_new_tokens=4``, chunk 8; beam search too). With a larger cache (a
-user-built ``StaticCache(max_cache_len=64)``), and with a dynamic cache for a model with
-sliding-window layers (Gemma 3), nothing fails but the output is silently wrong: rotary positions
-are shifted by one and attention sees an unwritten (zero) slot of a static cache; the
-sliding-window mask is off by one. A prefill without chunking leaves ``cache_position =
-arange(P)``, which the same update advances to ``P``: right. (4.55 - 4.57 prefill only ``P - 1``
-tokens in chunks and leave ``[P - 1]``, which the loop's first step uses as it is: right.)
+Cost: one attribute read per ``generate()`` call without chunking; with chunking, per call a
+``get_seq_length()`` and an ``arange``, per chunk a ``cumsum`` of the mask slice. Nothing per step.
 
-5.2.0 also: ``generate()`` now prepares ``position_ids`` for the whole prompt before the prefill
-(``_prepare_position_ids_for_generation``), and the chunked branch passes them whole to every
-chunk; ``prepare_inputs_for_generation`` keeps the last ``len(chunk)`` of them, so every chunk but
-the last is embedded at the last chunk's positions (silently wrong output, whatever the cache).
-
-5.0.0rc1 - 5.0.0 also: with the default cache (no ``cache_implementation``, no cache passed) the
-chunked branch refuses to start::
-
-    ValueError: Cannot use prefill chunking without a cache
-
-``_prepare_cache_for_generation`` of those releases puts no cache into ``model_kwargs`` when
-``cache_implementation`` is ``None`` (the model's forward builds its default cache on the first
-call), and the chunked branch asks for the key before any chunk runs. 5.1.0 creates the default
-cache in ``_prepare_cache_for_generation`` whenever a cache is used, so the key is always there.
-5.3.0 fixed the rest upstream (``_prefill``'s chunked branch rewritten), but for a cache that
-holds tokens (above).
-
-What the replacement does.
-
-A. 4.55.0 - 4.57.x (``_prefill_chunking``) and the chunked branch of 5.0.0rc1 - rc2
-(``_prefill``, variant parameter ``chunks_ignore_padding``): the chunk loop runs in
-``_prefill_in_chunks``, a re-implementation of the originals' few lines (their wrong ids are set
-inside the loop, between a chunk's slicing and its forward: no wrapper reaches them). Every step
-is the original's, in its order (dynamo's cache size limit, ``torch.split``, the same
-``ValueError`` without a cache, the compiled forward where the release would compile, the bound
-``forward`` on 4.55 - 4.57 and ``__call__`` on the release candidates, the attention mask sliced
-to the end of the chunk, ``cache_position = arange(start, end)``, the cache handed on, the state
-left after the loop) but one: no ``position_ids`` for the chunk. ``prepare_inputs_for_generation``
-then derives them from the chunk's slice of the attention mask (cumulative sum minus one, padding
-set to 1, the last ``len(chunk)`` kept), as 5.0.0rc3 - 5.1.0 do: the slice of the ids an unchunked
-prefill gets from the whole mask (a cumulative sum over a prefix of the mask is the prefix of the
-cumulative sum). Exact, for every model whose ``forward`` takes ``position_ids``; one that does not
-builds its own from ``cache_position``, which is what it gets without chunking. Without an
-attention mask the model falls back on ``cache_position``: ``start .. end-1``, the original's ids.
-Position ids the caller passed to ``generate()`` are sliced to each chunk (``[..., start:end]``:
-what an unchunked prefill uses of them; the originals overwrote them) and dropped afterwards, as
-the originals drop them. The rest of 4.55 - 4.57 stays stock: the last prompt token is left to
-the decoding loop, which gets ``cache_position = [P - 1]`` as from the original.
-
-B. 5.0.0rc1 - 5.2.0 (``_prefill``): it wraps ``_prefill`` (on 5.0.0 - 5.2.0 no copied code; on the
-release candidates the chunked branch is A). Without ``prefill_chunk_size`` it calls the original
-and returns: nothing else happens. With it, onto an empty cache (or none; else C):
-
-1. Before the call, only when ``model_kwargs`` has no ``past_key_values`` while the generation
-   uses a cache (``use_cache``) the model builds by default (``_supports_default_dynamic_cache()``):
-   it sets ``model_kwargs["past_key_values"] = None``. Exact: ``prepare_inputs_for_generation``
-   takes ``past_key_values=None`` by default, so every chunk's forward receives what it would have
-   received without the key; only the branch's membership test sees a difference. The first
-   chunk's forward builds the model's own default cache, as a non-chunked 5.0.0 call does, and the
-   branch hands it to the next chunks and to decoding (it stores ``outputs.past_key_values`` after
-   each chunk). On 5.1.0 - 5.2.0 this never happens inside ``generate()``: their
-   ``_prepare_cache_for_generation`` has put a cache there under exactly this condition (and on
-   5.0.0 ``cache_implementation`` set, a user cache, ``use_cache=False``, a model with its own
-   cache type all leave things as they are). It is a property of the call, not of the release
-   number, so no variant parameter is needed (``_prefill`` is the same code on 5.0.0 and 5.1.0).
-2. Before the call, when ``model_kwargs`` holds ``position_ids`` and the prompt is longer than one
-   chunk, it takes them out for the chunks. Each chunk's ``prepare_inputs_for_generation`` then
-   derives its own from its slice of the attention mask (``attention_mask[:, :end of chunk]``; on
-   5.2.0 cumulative sum minus one, padding set to 0, the last ``len(chunk)`` kept): the slice of
-   the whole prompt's ids that belongs to the chunk. Exact for the ids 5.2.0's ``generate()`` prepares
-   itself: ``_prepare_position_ids_for_generation`` computes them from the whole mask with the same
-   formula, and a cumulative sum over a prefix of the mask is the prefix of the cumulative sum.
-   After the call it puts the whole prompt's ids back (the original drops them), so decoding
-   advances from them exactly as after a non-chunked prefill, which keeps them.
-3. After the call returns, it replaces ``model_kwargs["cache_position"]`` with every position the
-   chunks wrote: ``0 .. P-1`` (``P = input_ids.shape[-1]``: ``torch.split`` along the last
-   dimension, positions counted from 0 chunk after chunk), in the dtype and on the device of the
-   tensor the original left (``long``, the device of ``input_ids``, where the chunks' positions
-   were made). Exact: that is the very tensor the non-chunked branch leaves for a prompt written
-   from position 0 (``ones(P).cumsum(0) - 1``, ``int64``, ``input_ids``' device), so the decoding
-   loop continues exactly as after a non-chunked prefill: with a cache it reads the last element
-   (``P - 1``) and decodes at ``P``, ``P + 1``, ...; with ``use_cache=False`` and a cache passed
-   by the user it appends to the full list, as after a non-chunked prefill. Nothing else the
-   original left is touched (the attention mask it put back, the cache, the logits it returns).
-
-C. A cache that already holds ``L > 0`` positions (``get_seq_length()``), every release up to
-5.20.2, ``prefill_chunk_size`` set: the chunk loop of A runs as 5.21.0's, instead of the original's
-(``_prefill`` on 5.0.0rc1 - 5.20.2 is then not called; 5.3.0 - 5.20.2 call it onto an empty cache,
-where their chunking is right). The chunks cover the prompt after its first ``L`` tokens (the
-whole prompt where it holds only the new tokens: 5.3.0 on, when the attention mask is not as long
-as the prompt, by the release's own rule, variant parameter ``prompt_repeats_the_cache``) at
-positions ``L ..``: each with the mask up to its end, its slice of the position ids passed
-(``[..., start:end]``, as 5.19.0 on slice them), or, where none were passed (up to 5.1.0), the ids
-``prepare_inputs_for_generation`` derives from the mask. Afterwards it leaves what the release's
-unchunked prefill leaves: the mask and the position ids whole, and ``cache_position`` as that
-release's ``_get_initial_cache_position`` makes it (``L .. P-1`` up to 5.2.0, ``0 .. P-1`` on
-5.3.0, none from 5.4.0: variant parameter ``cache_position_after``); 4.55 - 4.57 leave
-``[P - 1]`` and the last token to the decoding loop as in A (with ``L = P - 1`` there is nothing
-to chunk, and decoding starts as without chunking).
-
-Cost: one attribute read per ``generate()`` call without chunking (4.55 - 4.57: none, the target
-runs only with chunking); with chunking, per call one ``get_seq_length()`` of the cache passed
-(what the unchunked prefill reads too) and one ``arange`` of the prompt length (up to 5.3.0), per
-chunk one ``cumsum`` of the mask's slice inside ``prepare_inputs_for_generation`` (4.55 -
-5.0.0rc2, or where no position ids were passed: instead of an ``unsqueeze``). Nothing per
-decoding step.
-
-Not covered (stock behaviour kept, on these releases as shipped): ``position_ids`` of the user's
-own that are not the attention mask's (packed sequences...) together with a prompt of several
-chunks on 5.0.0rc1 - 5.2.0: the chunks get the mask's positions (stock gives every chunk the last
-chunk's, or ``arange``), decoding continues from the user's; beam search on 4.55 - 4.57, which
-does not chunk; onto a cache that holds tokens: encoder-decoder models and prompts given as
-``inputs_embeds`` (every chunk loop, 5.21.0's too, splits ``input_ids`` only), multimodal inputs
-(5.23.0 splits them per chunk), and a cache that holds the whole prompt or more (as before this
-port: A and B up to 5.2.0, the release's code from 5.3.0). 5.0.0rc3 ships 5.0.0's ``_prefill``
-(the same fingerprint, labelled by release number); 5.0.0rc0 was not fingerprinted, nor any
-release before 4.55.0: code the patch does not know is "unrecognised" or out of range, never
-patched.
-
-Tested (``tests/patches/chunked_prefill/test_patch_chunked_prefill.py``, in the lanes 4.55.4, 4.57.6, 5.0.0, 5.2.0,
-5.18.0, and by hand in 4.56.2, 5.0.0rc1 and rc2 environments): tiny Llama and Gemma 3, a 17-token
-prompt in a batch of two (left-padded and without padding), chunk 8, static (greedy and beam
-search), user-built static, dynamic and default caches; and a left-padded batch on every
-architecture of ``overlay.testing.models`` that decodes (Llama, Qwen3, Gemma 3, OLMo2) and GPT-2
-(learned absolute positions), static and default caches: stock fails or differs where stated above
-(the padded row's tokens, up to 5.0.0rc2); with the patch every chunked run gives the non-chunked
-run's ids, scores and logits, and every forward sees the same ``cache_position`` and
-``position_ids``. The kept cache (``tests/patches/chunked_prefill/test_patch_chunked_prefill_kept_cache.py``, in the lanes
-4.55.4, 4.57.6, 5.0.0, 5.2.0, 5.3.0, 5.5.4, 5.9.0, 5.10.4, 5.20.2, 5.21.0, 5.24.0): tiny Llama,
-Qwen3 and Gemma 3, a 6-column prefix run into a user's dynamic or static cache, then a 12-column
-batch of two (left-padded and without padding), chunk 4: stock feeds the prefix again (or, for a
-prompt of new tokens only, at the prefix's positions) and differs as stated above; with the patch
-every chunked run gives the unchunked run's ids, scores, logits, cache length and position ids.
+Not covered (stock behaviour kept): caller ``position_ids`` that are not the mask's, with several
+chunks, on 5.0.0rc1 - 5.2.0; beam search on 4.55 - 4.57 (it does not chunk); onto a cache holding
+tokens: encoder-decoder models, ``inputs_embeds`` and multimodal prompts, a cache holding the whole
+prompt. Every case, its cause and the verification runs: ``docs/patches/chunked-prefill.md``;
+tested in ``tests/patches/chunked_prefill/``.
 """
 
 from __future__ import annotations

@@ -91,3 +91,18 @@ def test_a_workers_status_record_is_held_to_what_this_release_gets(module):
         under_test.assert_reported({"state": "applied", "variants": known[:1]})
     elif under_test.fixed_upstream:
         under_test.assert_reported({"state": "fixed upstream", "variants": []})
+
+
+#: A patch file's docstring says what breaks, the error, what the replacement does, its limits and
+#: cost (CONTRIBUTING asks for about 40 lines); the history and every case go to docs/patches/.
+MOST_DOCSTRING_LINES = 60
+
+
+@pytest.mark.parametrize("module", list(MODULES.values()), ids=list(MODULES))
+def test_the_patch_docstring_is_a_summary(module):
+    import ast
+    import inspect
+
+    source = inspect.getsource(_patch_files.module(module))
+    lines = len((ast.get_docstring(ast.parse(source), clean=False) or "").splitlines())
+    assert 0 < lines <= MOST_DOCSTRING_LINES, f"{module}: a docstring of {lines} lines; move the account to docs/patches/"
