@@ -464,6 +464,3 @@ class CacheDtypeError(AttentionInputError):
             f"  {describe(state, incoming)}\n"
             f"what to do: {_ADVICE['dtype']}"
         )
-
-    def for_layer(self, layer_idx: Any) -> "CacheDtypeError":
-        return CacheDtypeError(self.layer, self.which, self.stored, self.incoming, layer_idx, self.cache)

@@ -35,12 +35,12 @@ import re
 from typing import Any, Mapping, Sequence
 
 from . import _patch_files
-from .patch import Patch, Target, Variant
+from .patch import FIXED, Patch, Target, Variant
 
 #: Where the data lives: beside the patch files, in the package they ship in.
 FILENAME = "releases.json"
-#: The code kinds the data names besides a variant's name.
-FIXED = "fixed"
+#: The code kinds the data names besides a variant's name: ``FIXED`` (upstream's fix; the same word
+#: :func:`overlay.patch.assess` gives such code) and ``BEFORE`` (code from before the bug arrived).
 BEFORE = "before"
 #: Placeholder in a patch's ``upstream`` text for the newest release the data covers.
 NEWEST = "{newest_release}"

@@ -180,12 +180,15 @@ class PatchUnderTest:
 
 
 def label_names(label: str, release: Any) -> bool:
-    """Whether a release label (``"5.0.0-5.2.0"``, ``"5.0.0rc0-5.0.0rc1, 5.3.0"``: runs of the
-    releases ``patches/releases.json`` covers, pre-releases among them) names ``release`` (a
-    ``packaging`` Version; a local build, ``5.18.0+neuron``, by its public part)."""
-    from packaging.version import Version
+    """Whether a release label (``"5.0.0-5.2.0"``, ``"5.0.0rc0-5.0.0rc1, 5.3.0"``) names ``release``
+    (a ``packaging`` Version; a local build, ``5.18.0+neuron``, by its public part):
+    :func:`overlay.releases.label_covers`, refusing text that is not a label."""
+    from ..releases import label_covers
 
-    return any(Version(low) <= Version(release.public) <= Version(high) for low, high in _label_runs(label))
+    covers = label_covers(label, release.public)
+    if covers is None:
+        raise ValueError(f"not a release label: {label!r}")
+    return covers
 
 
 def _label_runs(label: str) -> list[tuple[str, str]]:
