@@ -17,7 +17,7 @@ import linecache
 import textwrap
 from types import CodeType
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 #: Attribute set on every replacement the engine installs: the id of the patch it belongs to.
 PATCH_MARKER = "__overlay_patch__"
@@ -40,6 +40,14 @@ class Variant:
             return self.params[name]
         except KeyError:
             raise KeyError(f"variant {self.label!r} declares no parameter {name!r}") from None
+
+
+class Location(NamedTuple):
+    """Where a target is in an imported module (:meth:`Target.locate`)."""
+
+    owner: Any  #: the class or module that holds it (``None``: the module has no such owner)
+    name: str  #: the attribute name on ``owner``
+    raw: Any  #: what ``owner.__dict__`` holds (a ``staticmethod`` stays one), or ``None``
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,7 @@ class Target:
     def key(self) -> str:
         return f"{self.module}:{self.qualname}"
 
-    def locate(self, module: Any) -> tuple[Any, str, Any]:
+    def locate(self, module: Any) -> Location:
         """(owner, attribute name, raw object, or ``None``) for this target in the imported
         ``module``. The raw object is what the owner's ``__dict__`` holds (a ``staticmethod`` stays
         one): what a swap replaces and a revert puts back. For a target with ``inherited_from``
@@ -123,23 +131,23 @@ class Target:
         or where the target's ``unless`` function exists."""
         owner, name = _resolve(module, self.qualname)
         if owner is None:
-            return None, name, None
+            return Location(None, name, None)
         if self.unless is not None:
             other_owner, other_name = _resolve(module, self.unless)
             if other_owner is not None and getattr(other_owner, other_name, None) is not None:
-                return owner, name, None
+                return Location(owner, name, None)
         raw = vars(owner).get(name)
         if raw is None and self.inherited_from is not None and isinstance(owner, type):
             for base in owner.__mro__[1:]:
                 if name in vars(base):
                     raw = vars(base)[name]
                     break
-        return owner, name, raw
+        return Location(owner, name, raw)
 
     def stock(self, module: Any) -> Any:
         """The release's own function for this target in ``module``, behind any overlay
         replacement (``None`` when the module has no such attribute)."""
-        raw = self.locate(module)[2]
+        raw = self.locate(module).raw
         func = function_of(raw) if raw is not None else None
         while getattr(func, PATCH_MARKER, None) is not None:
             func = func.__wrapped__

@@ -462,8 +462,8 @@ def test_a_target_is_absent_where_its_unless_function_exists(tmp_path):
     try:
         core = toy.import_core()
         target = _inherited_target(toy, unless="Mixin.scale")
-        assert target.locate(core)[2] is None
-        assert _inherited_target(toy, unless="Mixin.no_such_method").locate(core)[2] is vars(core.Mixin)["compute"]
+        assert target.locate(core).raw is None
+        assert _inherited_target(toy, unless="Mixin.no_such_method").locate(core).raw is vars(core.Mixin)["compute"]
         with engine.isolated([toy_patch(toy, extra_targets=(target,))], distribution=toy.name):
             engine.apply()
             assert _state().state == engine.APPLIED and _state().variants == ("1.x",)

@@ -38,7 +38,7 @@ def _runtime_function(target):
         module = importlib.import_module(target.module)
     except ModuleNotFoundError:  # an older release without the module
         return None
-    raw = target.locate(module)[2]
+    raw = target.locate(module).raw
     return None if raw is None else function_of(raw)
 
 
