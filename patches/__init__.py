@@ -23,4 +23,6 @@ PATCH_MODULES: tuple[str, ...] = (
     "repetition_penalty_padding",
     "beam_search_recurrent_cache",
     "static_cache_kv_head_sizes",
+    "encoder_repetition_penalty_rows",
+    "beam_sample_sorted_candidates",
 )

@@ -1,0 +1,90 @@
+"""Beam sampling ranks the candidates it samples by score, as upstream does now.
+
+What breaks: ``generate(do_sample=True, num_beams=N)`` returns other sequences (and lower
+``sequences_scores``) than upstream's fixed release gives for the same seed. No error, and with
+default settings: every beam-sampling run that ends at ``max_new_tokens`` or at an eos token.
+
+Cause: ``GenerationMixin._get_top_k_continuations`` samples ``K = beams_to_keep`` candidates with
+``torch.multinomial`` and keeps them in the order drawn, while beam search treats their positions
+as ranks: only the first ``num_beams`` positions (``top_num_beam_mask``) may finish a hypothesis.
+So at the step that ends a hypothesis (eos, or the last token allowed) the first ``num_beams``
+candidates *drawn* finish, not the ``num_beams`` best: a better candidate drawn later is dropped,
+a worse one drawn first is returned. The choice of the running beams (a ``topk`` over all K) does
+not depend on the order, except between candidates of exactly equal score.
+
+Upstream (the release after the last affected one; no pull request found): the sampled candidates
+are sorted by accumulated log-probability, descending (``sort``, then the indices gathered in
+that order), before the beams and tokens are read from them.
+
+What the replacement does: it wraps ``_get_top_k_continuations``. With ``do_sample=False`` it
+returns the release's result unchanged. With sampling it sorts the returned log-probabilities the
+way upstream sorts them (``sort(dim=-1, descending=True)``) and gathers the candidates' sequences
+and beam indices in that order: each candidate is the same (token, beam, sequence) as before, so
+the result is upstream's, and the random draws are the same (sorting draws nothing). For a fixed
+seed the overlay gives the fixed release's sequences and scores.
+
+Cost: with sampling only, per decoding step one sort of ``batch x K`` scores and two gathers
+along the candidates (the running sequences, ``batch x K x max_length``, are copied once more
+per step; upstream sorts before building them). Greedy beam search pays one dictionary look-up.
+``overlay.report`` counts each sorted step, never while compiling.
+
+Tested (``tests/patches/beam_sample_sorted_candidates/``); the full account:
+docs/patches/beam-sample-sorted-candidates.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from overlay import report
+from overlay.patch import Target, wraps
+from overlay.releases import patch_with_release_facts
+
+PATCH_ID = "beam-sample-sorted-candidates"
+MODULE = "transformers.generation.utils"
+
+
+def _replace_get_top_k_continuations(original, variant):
+    parameters = list(inspect.signature(original).parameters)  # (self, accumulated_log_probs, ...)
+    do_sample_index = parameters.index("do_sample") - 1  # positional arguments start after self
+
+    @wraps(original)
+    def _get_top_k_continuations(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        do_sample = kwargs["do_sample"] if "do_sample" in kwargs else args[do_sample_index]
+        if not do_sample:
+            return result
+        topk_log_probs, topk_running_sequences, topk_running_beam_indices = result
+        # Upstream's sort (the fixed release), applied to the same sampled candidates.
+        topk_log_probs, order = topk_log_probs.sort(dim=-1, descending=True)
+        topk_running_sequences = self._gather_beams(topk_running_sequences, order)
+        topk_running_beam_indices = self._gather_beams(topk_running_beam_indices, order)
+        report.record_outside_compile(PATCH_ID, "sorted the sampled beam candidates by score")
+        return topk_log_probs, topk_running_sequences, topk_running_beam_indices
+
+    return _get_top_k_continuations
+
+
+PATCH = patch_with_release_facts(
+    id=PATCH_ID,
+    title="Beam sampling ranks the candidates it samples by score",
+    errors=(
+        "(no error) generate(do_sample=True, num_beams=N) returns other sequences and lower sequences_scores "
+        "than the fixed release for the same seed: the first num_beams candidates drawn finish, not the best",
+    ),
+    why=(
+        "Beam sampling keeps its sampled candidates in the order drawn, while beam search lets only the first "
+        "num_beams positions finish a hypothesis."
+    ),
+    upstream=(
+        "fixed in {fixed_in}: GenerationMixin._get_top_k_continuations sorts the sampled candidates by score "
+        "(no pull request found)"
+    ),
+    targets=(
+        Target(
+            module=MODULE,
+            qualname="GenerationMixin._get_top_k_continuations",
+            replace=_replace_get_top_k_continuations,
+        ),
+    ),
+)
