@@ -19,17 +19,34 @@ Nothing here is read on a hot path: the engine reads its settings once, when the
 activated, and passes them along (``overlay.engine.Settings``); the attention guard reads its
 mode when ``overlay.guard`` is first imported. Imports only the standard library (never torch or
 transformers).
+
+Logging: the package logs on one logger, ``overlay`` (:data:`LOGGER_NAME`, the import package's
+name, so a module's ``logging.getLogger(__name__)`` is its child). By default the overlay adds no
+handler and sets no level: its warnings reach stderr through logging's last resort, or through the
+handlers the program configured. ``ATTN_OVERLAY_LOG_LEVEL`` (read once, when the overlay activates:
+:func:`configure_logging`) sets the logger's level; at ``info`` the engine says in one line per
+process what it patches, what is fixed upstream and what is out of range (``debug`` adds a line per
+module as it is patched). Below ``warning`` the overlay attaches one handler to its logger that
+writes on stderr, and steps aside for each record a handler of the program takes as well
+(``logging.basicConfig()``, a framework's set-up, before or after the overlay activated): a line is
+printed once, in the program's format where the program configured logging. In a distributed job
+(``RANK``, else ``LOCAL_RANK``, as torchrun sets them; torch.distributed is never imported) only
+rank 0 goes below ``warning`` unless ``ATTN_OVERLAY_LOG_RANKS=all``; warnings and errors are
+printed on every rank, as without the setting.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-logger = logging.getLogger("overlay")
+#: The package's one logger: every module of the overlay logs on it (or on a child of it).
+LOGGER_NAME = "overlay"
+logger = logging.getLogger(LOGGER_NAME)
 
 #: ``ATTN_OVERLAY=0`` turns the automatic activation (startup hook) off for this process and
 #: its children. Explicit calls (``overlay.apply()``, ``python -m overlay.apply PROGRAM``) still work.
@@ -45,6 +62,10 @@ REPORT_VAR = "ATTN_OVERLAY_REPORT"
 GUARD_VAR = "ATTN_OVERLAY_ATTENTION_GUARD"
 #: ``ATTN_OVERLAY_CACHE_DIR=DIR``: where ``overlay.testing`` caches the fake device's compiled backend.
 CACHE_DIR_VAR = "ATTN_OVERLAY_CACHE_DIR"
+#: ``ATTN_OVERLAY_LOG_LEVEL=debug|info|warning|error``: the level of the ``overlay`` logger.
+LOG_LEVEL_VAR = "ATTN_OVERLAY_LOG_LEVEL"
+#: ``ATTN_OVERLAY_LOG_RANKS=0|all``: which ranks of a distributed job log below warning.
+LOG_RANKS_VAR = "ATTN_OVERLAY_LOG_RANKS"
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -55,6 +76,13 @@ GUARD_DEFAULT = "align"
 DEPRECATED_GUARD_MODES = {"strict": "check"}
 
 ALL_PATCHES = "all"
+
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+LOG_LEVEL_DEFAULT = "warning"
+ALL_RANKS = "all"
+LOG_RANKS = ("0", ALL_RANKS)
+#: Where a process finds its rank, in this order: torchrun sets both (RANK: in the whole job).
+RANK_VARS = ("RANK", "LOCAL_RANK")
 
 FROM_ENVIRONMENT = "environment"
 FROM_DEFAULT = "default"
@@ -161,6 +189,19 @@ def _guard_mode(setting: Setting, raw: str, known_patch_ids: tuple[str, ...] | N
     return Reading(setting.default, _outside(setting, raw, "a mode"))
 
 
+def _one_of(words: Iterable[str], what: str) -> Callable[..., Reading]:
+    """A parser accepting ``words`` (case and spaces ignored); ``what`` names them in the warning."""
+    accepted = tuple(words)
+
+    def parse(setting: Setting, raw: str, known_patch_ids: tuple[str, ...] | None) -> Reading:
+        word = raw.strip().lower()
+        if word in accepted:
+            return Reading(word)
+        return Reading(setting.default, _outside(setting, raw, what))
+
+    return parse
+
+
 def normalise_patch_id(text: str) -> str:
     """How ``ATTN_OVERLAY_DISABLE`` compares ids: case ignored, ``_`` read as ``-``, spaces stripped."""
     return text.strip().lower().replace("_", "-")
@@ -259,6 +300,26 @@ SETTINGS: tuple[Setting, ...] = (
         "where `overlay.testing`'s fake device caches its compiled backend",
         _path,
     ),
+    Setting(
+        LOG_LEVEL_VAR,
+        ", ".join(LOG_LEVELS),
+        LOG_LEVEL_DEFAULT,
+        LOG_LEVEL_DEFAULT,
+        "the level of the `overlay` logger: `info` prints one line per process on stderr when the "
+        "overlay activates (what it patches, what is fixed upstream or out of range), `debug` also a "
+        "line per module patched, `error` hides the warnings; a line the program's own logging "
+        "handlers print is not printed twice",
+        _one_of(LOG_LEVELS, "a level"),
+    ),
+    Setting(
+        LOG_RANKS_VAR,
+        ", ".join(LOG_RANKS),
+        LOG_RANKS[0],
+        LOG_RANKS[0],
+        "in a distributed job (`RANK`, else `LOCAL_RANK`, as torchrun sets them), which ranks log "
+        "below warning: `0` rank 0 only, `all` every rank; warnings are printed on every rank either way",
+        _one_of(LOG_RANKS, "a choice of ranks"),
+    ),
 )
 
 BY_NAME: dict[str, Setting] = {setting.name: setting for setting in SETTINGS}
@@ -337,3 +398,81 @@ def guard_mode() -> str:
 def cache_dir() -> str | None:
     """``ATTN_OVERLAY_CACHE_DIR`` (``~`` expanded), or ``None`` for the default location."""
     return value(CACHE_DIR_VAR).value
+
+
+# -- logging ---------------------------------------------------------------------------------------
+
+
+def process_rank() -> int | None:
+    """This process's rank in a distributed job, from ``RANK`` (else ``LOCAL_RANK``), which torchrun
+    sets; ``None`` outside one, or where the value is not a number. Imports nothing."""
+    for name in RANK_VARS:
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            try:
+                return int(raw)
+            except ValueError:
+                return None
+    return None
+
+
+def log_level() -> int:
+    """The level ``ATTN_OVERLAY_LOG_LEVEL`` asks for in this process: on a rank other than 0, not
+    below warning (the default) unless ``ATTN_OVERLAY_LOG_RANKS=all``."""
+    level = LOG_LEVELS[value(LOG_LEVEL_VAR).value]
+    every_rank = value(LOG_RANKS_VAR).value == ALL_RANKS
+    if level < logging.WARNING and not every_rank and process_rank() not in (None, 0):
+        return logging.WARNING
+    return level
+
+
+class StderrUnlessHandled(logging.Handler):
+    """Writes each record's message on stderr, unless a handler of the program takes the record too.
+
+    Asked at each record, not when attached: logging configured after the overlay activated
+    (``logging.basicConfig()`` in ``main()``) still gets each line once, in its own format. The
+    stream is looked up at each record too (``sys.stderr`` redirected later is followed)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._taken_by_another(record):
+            return
+        try:
+            stream = sys.stderr
+            if stream is not None:  # pythonw: no stderr at all
+                stream.write(self.format(record) + "\n")
+                stream.flush()
+        except Exception:
+            self.handleError(record)
+
+    def _taken_by_another(self, record: logging.LogRecord) -> bool:
+        """Whether another handler on the record's way up the logger tree (as logging propagates
+        it) accepts its level."""
+        current: logging.Logger | None = logging.getLogger(record.name)
+        while current is not None:
+            if any(handler is not self and record.levelno >= handler.level for handler in current.handlers):
+                return True
+            if not current.propagate:
+                return False
+            current = current.parent
+        return False
+
+
+_logging_lock = threading.Lock()
+_logging_configured = False
+
+
+def configure_logging() -> None:
+    """Apply ``ATTN_OVERLAY_LOG_LEVEL`` to the ``overlay`` logger, once per process (the engine
+    calls this when it activates). At warning, the default, nothing changes: no level, no handler.
+    Below it, the logger gets the level and one :class:`StderrUnlessHandled`; at error, the level."""
+    global _logging_configured
+    with _logging_lock:
+        if _logging_configured:
+            return
+        _logging_configured = True
+        level = log_level()
+        if level == logging.WARNING:
+            return
+        logger.setLevel(level)
+        if level < logging.WARNING and not any(isinstance(h, StderrUnlessHandled) for h in logger.handlers):
+            logger.addHandler(StderrUnlessHandled())

@@ -39,7 +39,7 @@ from .patch import (  # noqa: F401
     source_of,
 )
 
-logger = logging.getLogger("overlay")
+logger = logging.getLogger(config.LOGGER_NAME)
 
 TRANSFORMERS = "transformers"
 
@@ -151,6 +151,7 @@ class _Engine:
         self.ever_patched: set[str] = set()  # modules this process has patched at least once
         self.startup_error: str | None = None
         self.last_apply_seconds: dict[str, float] = {}
+        self.summary_logged = False  # the one info line of the first activation (_log_summary_once)
 
     @property
     def active(self) -> bool:
@@ -380,7 +381,8 @@ def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> l
                 "captured its functions before now still hold the unpatched ones",
                 module.__name__,
             )
-        logger.info(
+        # At debug: the one info line is the activation's summary (_log_summary_once).
+        logger.debug(
             "attn-overlay: patched %s in %s (transformers %s)",
             ", ".join(swapped),
             module.__name__,
@@ -441,8 +443,34 @@ def _activate(settings: Settings, only: Iterable[str] | None, *, from_startup: b
             # Imported during `import transformers` itself (startup) is not late: nothing
             # outside transformers can have captured a function yet.
             problems += _apply_for_module(module, imported_before=not from_startup and name not in _engine.ever_patched)
+        _log_summary_once()
         if problems and settings.strict:
             raise _strict_error("; ".join(problems))
+
+
+def _log_summary_once() -> None:
+    """At info, one line for the first activation (so one per process): the patches applied and
+    where, those waiting for their module's import, and the others by state (fixed upstream, out
+    of range, disabled...). Modules patched later say so at debug."""
+    if _engine.summary_logged:
+        return
+    _engine.summary_logged = True
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    patched: dict[str, list[str]] = {}  # module -> the patch ids applied there
+    others: dict[str, list[str]] = {}  # state -> patch ids
+    for record in _engine.records.values():
+        if record.status.state == APPLIED:
+            patched.setdefault(record.patch.module, []).append(record.patch.id)
+        else:
+            others.setdefault(record.status.state, []).append(record.patch.id)
+    parts = [f"patched {', '.join(ids)} in {module}" for module, ids in patched.items()]
+    pending = others.pop(PENDING, None)
+    if pending:
+        parts.append(f"pending until their module is imported: {', '.join(pending)}")
+    parts += [f"{state}: {', '.join(ids)}" for state, ids in others.items()]
+    release = f"{_engine.distribution} {_engine.version}" if _engine.version else f"{_engine.distribution} not installed"
+    logger.info("attn-overlay: %s: %s", release, "; ".join(parts))
 
 
 def _leave_pending(module_name: str, reason: str) -> None:
@@ -483,6 +511,7 @@ def activate_from_startup(module: ModuleType | None = None) -> None:
     try:
         if not config.auto_enabled():
             return
+        config.configure_logging()
         settings = Settings.from_env()
         _activate(settings, only=None, from_startup=True)
     except OverlayError as exc:
@@ -521,6 +550,7 @@ def apply(*, strict: bool | None = None, only: Iterable[str] | None = None) -> l
     force (on first activation: ``ATTN_OVERLAY_STRICT``).
     """
     with _engine.lock:
+        config.configure_logging()
         settings = _settings_for(strict)
         _activate(settings, only=only)
         return _checked_status(settings)

@@ -26,9 +26,10 @@ PATCH_IDS = [patch.id for patch in engine.known_patches()]
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """No ATTN_OVERLAY_* variable but the ones a test sets; every warning seen afresh."""
-    for setting in config.SETTINGS:
-        monkeypatch.delenv(setting.name, raising=False)
+    """No ATTN_OVERLAY_* variable (nor a distributed rank) but the ones a test sets; every warning
+    seen afresh."""
+    for name in (*config.BY_NAME, *config.RANK_VARS):
+        monkeypatch.delenv(name, raising=False)
     config.reset_warnings()
     yield monkeypatch
     config.reset_warnings()
@@ -81,6 +82,9 @@ def test_the_startup_hook_reads_ATTN_OVERLAY_with_the_same_words():
         (config.STRICT_VAR, "2", False),  # was silently "off"
         (config.REPORT_VAR, "yes please", False),
         (config.GUARD_VAR, "bogus", "align"),
+        (config.LOG_LEVEL_VAR, "verbose", "warning"),
+        (config.LOG_LEVEL_VAR, "20", "warning"),  # logging's numbers are not levels here
+        (config.LOG_RANKS_VAR, "1", "0"),
     ],
 )
 def test_a_value_outside_the_table_is_named_once_with_what_is_used_instead(name, raw, used, clean_env, caplog):
@@ -140,6 +144,64 @@ def test_the_old_guard_mode_strict_is_check_with_a_note_not_a_problem(clean_env,
     (message,) = _warnings(caplog)
     assert "'strict' is deprecated: that mode is now called 'check'" in message
     assert config.problems() == []  # accepted: --strict does not fail on it
+
+
+# -- logging: ATTN_OVERLAY_LOG_LEVEL and ATTN_OVERLAY_LOG_RANKS (what they print: test_logging.py) --
+
+
+@pytest.mark.parametrize("raw", ["debug", "INFO", " Warning ", "error"])
+def test_log_level_accepts_the_four_levels_in_any_case(raw, clean_env, caplog):
+    clean_env.setenv(config.LOG_LEVEL_VAR, raw)
+    with caplog.at_level(logging.WARNING, logger="overlay"):
+        assert config.value(config.LOG_LEVEL_VAR).value == raw.strip().lower()
+        assert config.log_level() == getattr(logging, raw.strip().upper())
+    assert _warnings(caplog) == [] and config.problems() == []
+
+
+def test_log_level_default_is_warning_as_without_the_setting(clean_env):
+    assert config.BY_NAME[config.LOG_LEVEL_VAR].default == "warning"
+    assert config.log_level() == logging.WARNING
+
+
+@pytest.mark.parametrize(
+    ("environment", "level"),
+    [
+        ({"RANK": "0"}, logging.INFO),
+        ({"RANK": "1"}, logging.WARNING),  # below warning on rank 0 only
+        ({"RANK": "1", config.LOG_RANKS_VAR: "all"}, logging.INFO),
+        ({"RANK": "3", config.LOG_RANKS_VAR: "ALL"}, logging.INFO),
+        ({"LOCAL_RANK": "2"}, logging.WARNING),  # a launcher that sets LOCAL_RANK only
+        ({"RANK": "0", "LOCAL_RANK": "1"}, logging.INFO),  # RANK (the job's) comes first
+        ({"RANK": "node-a"}, logging.INFO),  # not a number: no rank
+    ],
+)
+def test_only_rank_0_logs_below_warning_unless_every_rank_is_asked(environment, level, clean_env):
+    clean_env.setenv(config.LOG_LEVEL_VAR, "info")
+    for name, raw in environment.items():
+        clean_env.setenv(name, raw)
+    assert config.log_level() == level
+
+
+def test_error_applies_on_every_rank(clean_env):
+    clean_env.setenv(config.LOG_LEVEL_VAR, "error")
+    clean_env.setenv("RANK", "5")
+    assert config.log_level() == logging.ERROR
+
+
+def test_the_rank_is_read_from_the_environment_without_torch_distributed(clean_env):
+    assert config.process_rank() is None
+    clean_env.setenv("LOCAL_RANK", "3")
+    assert config.process_rank() == 3
+    clean_env.setenv("RANK", " 7 ")
+    assert config.process_rank() == 7
+    clean_env.setenv("RANK", "x")
+    assert config.process_rank() is None
+
+
+def test_the_package_logs_on_one_documented_logger():
+    assert config.LOGGER_NAME == "overlay" == engine.logger.name == config.logger.name
+    assert f"``{config.LOGGER_NAME}``" in config.__doc__ and config.LOG_LEVEL_VAR in config.__doc__
+    assert f"`{config.LOGGER_NAME}` logger" in config.BY_NAME[config.LOG_LEVEL_VAR].meaning
 
 
 def test_the_guard_reads_its_mode_once_not_per_call(clean_env):
