@@ -24,6 +24,9 @@
 ``ok``                what the exit status says: no patch failed, met unrecognised code or was
                       displaced (and, in strict mode, the hook is active and no setting has a problem)
 
+``--env`` (``attn-overlay env``) prints another document, the bug-report block: one object of
+``key: text`` in the order of the text block (``overlay/environment.py``).
+
 Within one schema number keys are only ever added (``settings`` and ``summary`` were added within
 schema 1); a key
 removed or given another meaning raises the number.
@@ -39,15 +42,24 @@ import subprocess
 import sys
 from typing import Sequence
 
-from . import config, engine
+from . import config, engine, environment
 from ._version import __version__
+# What the startup hook does here is a fact of the environment (the bug-report block says it too);
+# pytest_plugin and the tests read it as cli.why_the_hook_is_inactive.
+from .environment import why_the_hook_is_inactive
 
 SCHEMA = 1
 
 USAGE = """\
 python -m overlay.apply [--json] [--strict] [--no-verify]
 python -m overlay.apply [--strict] PROGRAM.py [ARGS...]
-python -m overlay.apply [--strict] -m MODULE [ARGS...]"""
+python -m overlay.apply [--strict] -m MODULE [ARGS...]
+python -m overlay.apply --env [--json]    (also: attn-overlay env [--json])"""
+
+#: The console script's subcommand for ``--env``: ``attn-overlay env``. Only there: ``python -m
+#: overlay.apply env`` runs a program named env, as ``python env`` would.
+ENV_SUBCOMMAND = "env"
+CONSOLE_SCRIPT = "attn-overlay"
 
 DESCRIPTION = """\
 Without a program: show every patch with its status for the installed transformers, and verify
@@ -115,9 +127,7 @@ print(json.dumps({
 }))
 """
 
-#: How the startup hook's message about a shadowing module begins (``_attn_overlay_startup``),
-#: and the report's reason made of it.
-_SHADOW_PREFIX = "attn-overlay: NOT active in this process: "
+#: How the report's reason begins where a module shadows the overlay (``environment.shadow_reason``).
 _SHADOWED_REASON = "`import overlay` finds "
 
 
@@ -133,6 +143,12 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "(overlay/config.py); same as ATTN_OVERLAY_STRICT=1",
     )
     parser.add_argument("--no-verify", action="store_true", help="skip the fresh-subprocess check")
+    parser.add_argument(
+        "--env",
+        action="store_true",
+        help="print the block to paste into a bug report (versions, accelerator, hook, patches, changed "
+        "settings; no model runs); with --json, the same keys as one object. `attn-overlay env` is the same",
+    )
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run library module as a script")
     # Everything from the program (or -m's module) on belongs to the program.
     options: list[str] = []
@@ -144,7 +160,10 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
             parser.error("-m needs a module name")
         options += rest[:2]
         rest = rest[2:]
-    return parser.parse_args(options), rest
+    args = parser.parse_args(options)
+    if args.env and (args.module or rest):
+        parser.error("--env runs nothing: leave out the program (or -m MODULE)")
+    return args, rest
 
 
 def interpreter_flags() -> list[str]:
@@ -183,80 +202,9 @@ def _verify_in_subprocess(timeout: float = 300.0) -> dict:
     except (ValueError, IndexError):
         return {"error": f"unexpected output from the verification subprocess: {done.stdout[-300:]!r}"}
     if not result.get("shadowed"):
-        said = [line for line in done.stderr.splitlines() if line.startswith(_SHADOW_PREFIX)]
+        said = [line for line in done.stderr.splitlines() if line.startswith(environment.SHADOW_PREFIX)]
         result["shadowed"] = said[-1] if said else None
     return result
-
-
-def why_the_hook_is_inactive() -> str:
-    """The likeliest real cause, checked in this order; the first that holds is the answer."""
-    if not config.auto_enabled():
-        return f"{config.ENABLE_VAR}={os.environ.get(config.ENABLE_VAR)} is set: the startup hook is turned off"
-    if sys.flags.no_site:
-        # Only -S: -I (isolated mode) skips the user site and PYTHON* variables, but still reads
-        # site-packages' .pth files, so the hook runs there.
-        return (
-            "python was started with -S: it reads no site-packages .pth file, so the startup hook never "
-            "runs (-I, isolated mode, does read them)"
-        )
-    try:
-        import _attn_overlay_startup as startup
-
-        shadow = startup.shadowing_module()
-        if shadow:
-            return _shadow_reason(shadow)
-    except ImportError:
-        pass
-    pth = _installed_pth()
-    if pth is None:
-        on_path = [p for p in sys.path if p and os.path.isfile(os.path.join(p, "attn_overlay.pth"))]
-        if on_path:
-            return (
-                f"attn_overlay.pth is in {on_path[0]}, which is on sys.path but not a site directory "
-                "(`pip install --target` + PYTHONPATH?): Python reads .pth files only in site directories. "
-                "Install attn-overlay into the environment itself, or run programs with `python -m overlay.apply PROGRAM.py`"
-            )
-        if _editable_install():
-            return (
-                "attn-overlay is installed in editable mode (`pip install -e`), which does not ship the "
-                "startup file attn_overlay.pth; install it as a regular package (`pip install .`)"
-            )
-        return (
-            "attn-overlay is not installed in this environment (no attn_overlay.pth in its site-packages); "
-            "`pip install attn-overlay` (or `pip install .` in a clone)"
-        )
-    return f"the startup hook ({pth}) did not activate; see the activation error above, if any"
-
-
-def _shadow_reason(message: str) -> str:
-    """The startup hook's line about a shadowing module, as the report's reason."""
-    return message.removeprefix(_SHADOW_PREFIX).removeprefix("attn-overlay: ")
-
-
-def _installed_pth() -> str | None:
-    import site
-
-    folders = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
-    if site.ENABLE_USER_SITE:
-        folders.append(site.getusersitepackages())
-    for folder in folders:
-        candidate = os.path.join(folder, "attn_overlay.pth")
-        if os.path.isfile(candidate):
-            return candidate
-    return None
-
-
-def _editable_install() -> bool:
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        direct_url = distribution("attn-overlay").read_text("direct_url.json") or ""
-    except PackageNotFoundError:
-        return False
-    try:
-        return bool(json.loads(direct_url).get("dir_info", {}).get("editable"))
-    except ValueError:
-        return False
 
 
 def build_report(verify: bool = True) -> dict:
@@ -270,7 +218,7 @@ def build_report(verify: bool = True) -> dict:
         "hook": {"active": None, "verified": False, "reason": None},
         "patches": [],
         "import_errors": {},
-        "settings": {value.setting.name: value.as_dict() for value in _settings_in_force()},
+        "settings": {value.setting.name: value.as_dict() for value in environment.settings_in_force()},
         "ok": True,
     }
     if not verify or version is None:
@@ -287,7 +235,7 @@ def build_report(verify: bool = True) -> dict:
     reason = None
     if not active:
         shadowed = verified.get("shadowed")
-        reason = _shadow_reason(shadowed) if shadowed else verified.get("activation_error")
+        reason = environment.shadow_reason(shadowed) if shadowed else verified.get("activation_error")
         reason = reason or why_the_hook_is_inactive()
     report["hook"] = {"active": active, "verified": True, "reason": reason}
     report["import_errors"] = verified.get("import_errors", {})
@@ -298,15 +246,6 @@ def build_report(verify: bool = True) -> dict:
             row["would_be"], row["state"] = row["state"], engine.INACTIVE
         report["patches"].append(row)
     return _finish(report)
-
-
-def _settings_in_force() -> list[config.Value]:
-    """Every setting's value, ``ATTN_OVERLAY_DISABLE``'s ids checked against the patch files."""
-    try:
-        known = [patch.id for patch in engine.known_patches()]
-    except Exception:  # noqa: BLE001 -- a broken patch file: its status says so; ids go unchecked
-        known = None
-    return config.in_force(known)
 
 
 def setting_problems(report: dict) -> list[str]:
@@ -490,11 +429,31 @@ def _cannot_run_path(program: str) -> tuple[str, int] | None:
     return None
 
 
+def print_environment(as_json: bool) -> int:
+    """``--env``: the bug-report block (:mod:`overlay.environment`)."""
+    lines = environment.collect()
+    print(json.dumps(lines, indent=2) if as_json else environment.format_block(lines))
+    return 0
+
+
+def _started_as_console_script() -> bool:
+    # pip's launcher runs `attn-overlay` with that path as argv[0] (".exe" removed on Windows);
+    # `python -m overlay.apply` gives the module's file.
+    name = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return name == CONSOLE_SCRIPT or name.startswith(CONSOLE_SCRIPT + "-script.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args, rest = _parse(sys.argv[1:] if argv is None else argv)
+    if argv is None:
+        argv = sys.argv[1:]
+        if argv[:1] == [ENV_SUBCOMMAND] and _started_as_console_script():
+            argv = ["--env", *argv[1:]]
+    args, rest = _parse(argv)
     if args.module or rest:
         return run_program(args, rest)
     try:
+        if args.env:
+            return print_environment(args.json)
         return report(args)
     except BrokenPipeError:
         # Piped into `head`: the reader left. Point stdout at devnull so the interpreter's own

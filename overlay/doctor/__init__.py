@@ -1,7 +1,7 @@
 """``python -m overlay.doctor``: does generation work on *this* machine, without and with the overlay?
 
-It finds the accelerator torch sees (CUDA, XPU, Ascend NPU, MPS, a PrivateUse1 backend such as
-Neuron, XLA through ``torch_xla``), builds tiny randomly initialised models from configs (nothing
+It finds the accelerator torch sees (CUDA, XPU, Ascend NPU, Intel Gaudi HPU, MPS, a PrivateUse1
+backend such as Neuron, XLA through ``torch_xla``), builds tiny randomly initialised models from configs (nothing
 is downloaded) and runs each scenario twice, each time in a fresh subprocess: once on stock
 transformers, once with the overlay applied. A scenario passes when every one of its cases
 finishes and generates the same tokens as its reference run.
@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--device",
-        help="device to test: cuda, cuda:1, xpu, npu, mps, xla, neuron, cpu, or fake[:NAME] for the "
+        help="device to test: cuda, cuda:1, xpu, npu, hpu, mps, xla, neuron, cpu, or fake[:NAME] for the "
         "host-memory fake device (default: the accelerator found, else the fake device)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

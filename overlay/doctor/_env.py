@@ -2,9 +2,9 @@
 
 The parent process looks at CUDA, XPU and MPS itself: asking does not lock those devices.
 Accelerators that come as torch plug-ins (``torch_xla`` for TPUs, ``torch_neuronx`` for AWS
-Trainium/Inferentia, ``torch_npu`` for Ascend) are probed in a short subprocess instead: a TPU
-or a NeuronCore belongs to one process at a time, and the parent must not hold it while the
-scenario subprocesses need it.
+Trainium/Inferentia, ``torch_npu`` for Ascend, ``habana_frameworks.torch`` for Intel Gaudi) are
+probed in a short subprocess instead: a TPU, a NeuronCore or a Gaudi card belongs to one process
+at a time, and the parent must not hold it while the scenario subprocesses need it.
 """
 
 from __future__ import annotations
@@ -19,13 +19,21 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 #: Distributions whose versions the report shows (``None`` when not installed).
-PACKAGES = ("torch", "transformers", "accelerate", "torch-neuronx", "torch-xla", "torch-npu", "attn-overlay")
+PACKAGES = (
+    "torch", "transformers", "accelerate", "torch-neuronx", "torch-xla", "torch-npu", "habana-torch-plugin",
+    "attn-overlay",
+)
 
 #: Torch plug-ins that add an accelerator when imported: module name -> what it is for.
-PLUGINS = {"torch_npu": "Ascend NPU", "torch_neuronx": "AWS Neuron", "torch_xla": "XLA (TPU, Neuron)"}
+PLUGINS = {
+    "torch_npu": "Ascend NPU",
+    "torch_neuronx": "AWS Neuron",
+    "torch_xla": "XLA (TPU, Neuron)",
+    "habana_frameworks.torch": "Intel Gaudi (HPU)",
+}
 
 #: Order of preference when several accelerators are present (by device type).
-PREFERENCE = ("cuda", "xpu", "npu", "neuron", "privateuse1", "xla", "mps")
+PREFERENCE = ("cuda", "xpu", "npu", "hpu", "neuron", "privateuse1", "xla", "mps")
 
 PROBE_TIMEOUT_S = 180.0
 
@@ -159,8 +167,11 @@ def platform_description() -> str:
 # -- detection -------------------------------------------------------------------------------
 
 
-def detect_accelerators(probe_plugins: bool = True) -> tuple[list[Accelerator], list[str]]:
-    """(accelerators found, problems met while looking). Imports torch in this process."""
+def detect_accelerators(
+    probe_plugins: bool = True, probe_timeout: float = PROBE_TIMEOUT_S
+) -> tuple[list[Accelerator], list[str]]:
+    """(accelerators found, problems met while looking). Imports torch in this process; the
+    plug-ins installed (:data:`PLUGINS`) are imported in a subprocess that gets ``probe_timeout`` s."""
     import torch
 
     found: list[Accelerator] = []
@@ -197,12 +208,26 @@ def detect_accelerators(probe_plugins: bool = True) -> tuple[list[Accelerator], 
             found.append(Accelerator(f"{name}:{index}", name, f"{name} (PrivateUse1 backend)"))
 
     if probe_plugins:
-        plugins = [m for m in PLUGINS if importlib.util.find_spec(m) is not None]
+        plugins = installed_plugins()
         if plugins:
-            more, trouble = _probe_plugins(plugins)
+            more, trouble = _probe_plugins(plugins, probe_timeout)
             found += more
             problems += trouble
     return found, problems
+
+
+def installed_plugins() -> list[str]:
+    """The modules of :data:`PLUGINS` this environment has, without importing them (a dotted name
+    imports its parent package, ``habana_frameworks``, only)."""
+    found = []
+    for module in PLUGINS:
+        top = module.partition(".")[0]
+        try:
+            if importlib.util.find_spec(top) is not None and importlib.util.find_spec(module) is not None:
+                found.append(module)
+        except (ImportError, ValueError):  # a parent package that does not import: not usable here
+            continue
+    return found
 
 
 def _device_count(module: Any) -> int:
@@ -244,9 +269,17 @@ if "torch_npu" in imported and hasattr(torch, "npu"):
             found.append({"device": f"npu:{i}", "type": "npu", "name": torch.npu.get_device_name(i), "plugins": ["torch_npu"]})
     except Exception as exc:
         problems.append(f"npu: {type(exc).__name__}: {exc}")
+# Gaudi's plug-in registers torch.hpu (HPU is a device type of torch itself, not PrivateUse1).
+if "habana_frameworks.torch" in imported and hasattr(torch, "hpu"):
+    try:
+        for i in range(count(torch.hpu)):
+            card = f"{torch.hpu.get_device_name(i)} (Intel Gaudi)"
+            found.append({"device": f"hpu:{i}", "type": "hpu", "name": card, "plugins": ["habana_frameworks.torch"]})
+    except Exception as exc:
+        problems.append(f"hpu: {type(exc).__name__}: {exc}")
 name = torch._C._get_privateuse1_backend_name()
 if name not in ("privateuseone", "npu"):
-    plugins = [m for m in imported if m != "torch_xla"]
+    plugins = [m for m in imported if m not in ("torch_xla", "habana_frameworks.torch")]
     for i in range(count(getattr(torch, name, None))):
         found.append({"device": f"{name}:{i}", "type": name, "name": f"{name} (PrivateUse1, via {', '.join(plugins) or 'torch'})", "plugins": plugins})
 if "torch_xla" in imported:
@@ -263,17 +296,17 @@ print(json.dumps({"found": found, "problems": problems}))
 """
 
 
-def _probe_plugins(plugins: list[str]) -> tuple[list[Accelerator], list[str]]:
+def _probe_plugins(plugins: list[str], timeout: float = PROBE_TIMEOUT_S) -> tuple[list[Accelerator], list[str]]:
     try:
         done = subprocess.run(
             [sys.executable, "-c", _PROBE_CODE, *plugins],
             capture_output=True,
             text=True,
-            timeout=PROBE_TIMEOUT_S,
+            timeout=timeout,
             env=dict(os.environ, ATTN_OVERLAY="0"),
         )
     except subprocess.TimeoutExpired:
-        return [], [f"probing {', '.join(plugins)} did not finish in {PROBE_TIMEOUT_S:.0f} s"]
+        return [], [f"probing {', '.join(plugins)} did not finish in {timeout:.0f} s"]
     try:
         data = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

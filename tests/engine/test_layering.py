@@ -1,8 +1,11 @@
 """The import drawing of the package: every arrow runs down a floor, never along one or back up.
 
 Floors, top to bottom:
-  8  ``overlay/__init__`` (the public API facade), ``overlay/apply.py`` and ``__main__`` (``-m`` entries)
-  7  tools: ``overlay.cli``, ``overlay.doctor``
+  10 ``overlay/__init__`` (the public API facade), ``overlay/apply.py`` and ``__main__`` (``-m`` entries),
+     and the pytest entry point ``_attn_overlay_pytest``
+  9  the command line and the pytest plugin: ``overlay.cli``, ``overlay.pytest_plugin``
+  8  the bug-report block: ``overlay.environment``
+  7  the doctor: ``overlay.doctor``
   6  the test kit: ``overlay.testing``
   5  the engine: ``overlay.engine`` (gates, applies, reverts: knows no single patch)
   4  the registry: ``overlay.registry`` (which patch files ship)
@@ -27,8 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 FLOORS = {
-    "overlay": 8, "overlay.apply": 8, "overlay.__main__": 8,
-    "overlay.cli": 7, "overlay.doctor": 7,
+    "overlay": 10, "overlay.apply": 10, "overlay.__main__": 10, "_attn_overlay_pytest": 10,
+    "overlay.cli": 9, "overlay.pytest_plugin": 9,
+    "overlay.environment": 8,
+    "overlay.doctor": 7,
     "overlay.testing": 6,
     "overlay.engine": 5,
     "overlay.registry": 4,

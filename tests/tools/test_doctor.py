@@ -34,6 +34,7 @@ import overlay.doctor
 from overlay.doctor import _env, _runner
 from overlay.doctor._env import Accelerator, DeviceChoiceError, choose_device
 from overlay.testing.harness import PatchUnderTest, heavy_imports
+from tests.tools.test_environment import HPU_PLUGIN_VERSION, write_hpu_stand_in
 
 # The doctor's own tests (a tool): the whole suite runs them; the release lanes run the patches'.
 LANE = False
@@ -543,6 +544,54 @@ def test_choose_device_refuses_a_device_that_is_not_here():
         choose_device("cuda:7", ACCELERATORS, prepare_fake=False)
     with pytest.raises(DeviceChoiceError, match="index must be a number"):
         choose_device("cuda:x", ACCELERATORS, prepare_fake=False)
+
+
+# -- Intel Gaudi (HPU): a plug-in, probed in a subprocess like Neuron's and Ascend's ------------------------
+
+
+@pytest.fixture
+def gaudi_stand_in(tmp_path, monkeypatch):
+    """Puts a stand-in ``habana_frameworks.torch`` (see ``write_hpu_stand_in``) where this process
+    and the doctor's probe subprocess find it; afterwards its modules leave ``sys.modules`` (finding
+    the plug-in imports its parent package), so later detection does not see it."""
+
+    def install(**kwargs) -> Path:
+        folder = write_hpu_stand_in(tmp_path / "gaudi", **kwargs)
+        monkeypatch.syspath_prepend(str(folder))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p))
+        return folder
+
+    yield install
+    for name in [m for m in sys.modules if m.partition(".")[0] == "habana_frameworks"]:
+        del sys.modules[name]
+
+
+def test_gaudi_cards_are_found_through_their_plugin_and_chosen_with_device_hpu(gaudi_stand_in):
+    gaudi_stand_in(cards=2)
+    assert "habana_frameworks.torch" in _env.installed_plugins()
+    accelerators, problems = _env.detect_accelerators()
+    assert problems == []
+    hpus = [a.as_dict() for a in accelerators if a.type == "hpu"]
+    assert hpus == [
+        {"device": f"hpu:{i}", "type": "hpu", "name": "GAUDI2 (Intel Gaudi)", "plugins": ["habana_frameworks.torch"]}
+        for i in (0, 1)
+    ]
+    chosen = choose_device("hpu", accelerators, prepare_fake=False)
+    assert (chosen.device, chosen.kind, chosen.plugins) == ("hpu:0", "accelerator", ["habana_frameworks.torch"])
+    assert choose_device("hpu:1", accelerators, prepare_fake=False).device == "hpu:1"
+    only_gaudi = [a for a in accelerators if a.type == "hpu"]  # a machine with a GPU would prefer it
+    assert choose_device(None, only_gaudi, local_rank=1, prepare_fake=False).device == "hpu:1"
+    assert _runner._default_jobs(chosen) == 1  # a Gaudi card belongs to one process at a time
+    assert _env.package_versions()["habana-torch-plugin"] == HPU_PLUGIN_VERSION
+
+
+def test_a_gaudi_plugin_that_does_not_import_is_a_problem_not_a_crash(gaudi_stand_in):
+    gaudi_stand_in(broken="no Gaudi driver loaded")
+    accelerators, problems = _env.detect_accelerators()
+    assert [a for a in accelerators if a.type == "hpu"] == []
+    assert problems == ["habana_frameworks.torch: cannot import: RuntimeError: no Gaudi driver loaded"]
+    with pytest.raises(DeviceChoiceError, match=r"'hpu': not found on this machine.*--device fake:hpu"):
+        choose_device("hpu", accelerators, prepare_fake=False)
 
 
 def test_unknown_device_on_the_command_line_exits_2(capsys):
