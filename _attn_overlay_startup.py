@@ -1,4 +1,5 @@
-"""attn-overlay's startup hook and its one import finder.
+"""attn-overlay's startup hook and its one import finder. PYTEST_DONT_REWRITE (pytest marks a
+plugin distribution's top-level modules for rewriting, and this one is imported before pytest runs).
 
 ``attn_overlay.pth`` imports this module when the interpreter starts (``attn_overlay.start`` calls
 :func:`install` on Python 3.15+, where ``.pth`` import lines are skipped). It must cost next to
