@@ -121,3 +121,8 @@ def test_the_benchmarks_page_is_generated_from_its_data(capsys):
     import benchmarks_doc
 
     assert benchmarks_doc.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_the_readme_stays_a_page_for_users():
+    # The accounts live in docs/ and CONTRIBUTING; the README says what it fixes and how to use it.
+    assert len(readme_table.README.read_text(encoding="utf-8").splitlines()) <= 170
