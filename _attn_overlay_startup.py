@@ -24,12 +24,11 @@ At interpreter start it imports nothing that a bare ``python -c pass`` has not i
 (about 40% more time for ``python -c pass``). ``tests/engine/test_startup_hook.py`` checks the set.
 """
 
-import sys
-
 # `_thread`, not `threading`: threading imports functools, collections, itertools, _weakrefset...
 # The objects are the same ones: threading.Lock is _thread.allocate_lock, threading.local is
 # _thread._local.
 import _thread
+import sys
 
 # No module-level `import os` either (the functions import it; it is loaded already): the finder
 # lives on sys.meta_path until the very end of the process and keeps this module's globals alive,

@@ -8,6 +8,7 @@
                             # pyenv: PYENV_VERSION=3.11.7:3.10.13:3.12.1:3.13.0 nox -t pythons)
     nox -s tf-5.20.0        # one lane;  nox -s tf-5.20.0 -- -k device   passes pytest arguments
     nox -s tests            # the whole suite on 5.18.0
+    nox -s lint             # ruff and mypy (pyproject.toml), run by CI too
     nox -s tf-5.20.0 --install-only   # build a lane's environment, run nothing
     nox -l                  # list the sessions
 
@@ -157,6 +158,15 @@ PYTHON_LANES = ("3.10", "3.11", "3.12", "3.13")
 # skips it, and a skipped session reads like a pass. download_python="never" (below): a missing
 # interpreter is reported, never fetched.
 nox.options.error_on_missing_interpreters = True
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff and mypy on the package, the patch files and the startup modules (their settings are
+    in pyproject.toml). No torch or transformers: both are typed as Any (ignore_missing_imports)."""
+    session.install("ruff", "mypy", "packaging")
+    session.run("ruff", "check", "overlay", "patches", "_attn_overlay_startup.py", "_attn_overlay_pytest.py")
+    session.run("mypy")
 
 
 @nox.session(name="python_lanes", python=PYTHON_LANES, download_python="never", tags=["pythons"])

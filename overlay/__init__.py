@@ -84,7 +84,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'overlay' has no attribute {name!r}")
 
 
-class _Package(type(sys)):
+class _Package(type(sys)):  # type: ignore[misc]  # types.ModuleType, named so as to import nothing
     """This package's module type: ``overlay.apply`` stays the function.
 
     ``import overlay.apply`` (the module behind ``python -m overlay.apply``) makes the import system

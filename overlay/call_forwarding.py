@@ -39,7 +39,7 @@ import itertools
 import keyword
 import linecache
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 #: A shape: how many positional arguments, and the keyword names in the caller's order.
 CallShape = tuple[int, tuple[str, ...]]
@@ -112,4 +112,4 @@ def shaped_forwarder(
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = {u: _UNSET, f: function, fb: fallback, oe: on_error, rr: RERAISE, f"{_PREFIX}catch": catch}
     exec(compile(source, filename, "exec"), namespace)
-    return namespace[name]
+    return cast("Callable[..., Any]", namespace[name])

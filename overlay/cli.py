@@ -40,10 +40,11 @@ import os
 import runpy
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import config, engine, environment
 from ._version import __version__
+
 # What the startup hook does here is a fact of the environment (the bug-report block says it too);
 # pytest_plugin and the tests read it as cli.why_the_hook_is_inactive.
 from .environment import why_the_hook_is_inactive
@@ -171,7 +172,7 @@ def interpreter_flags() -> list[str]:
     see what the caller's processes see."""
     try:
         return list(subprocess._args_from_interpreter_flags())  # what multiprocessing uses
-    except Exception:  # noqa: BLE001 -- a private helper; without it, rebuild the common flags
+    except Exception:  # a private helper; without it, rebuild the common flags
         flags = sys.flags
         out = ["-S"] * bool(flags.no_site)  # -I does not imply -S: site-packages .pth files still run
         if flags.isolated:

@@ -41,8 +41,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 #: The package's one logger: every module of the overlay logs on it (or on a child of it).
 LOGGER_NAME = "overlay"
@@ -116,7 +117,7 @@ class Setting:
     parse: Callable[..., Reading]
     """``parse(setting, raw, known_patch_ids)`` -> :class:`Reading` (``raw``: not empty)."""
 
-    def read(self, known_patch_ids: Iterable[str] | None = None) -> "Value":
+    def read(self, known_patch_ids: Iterable[str] | None = None) -> Value:
         """This setting's value in the environment now. Logs nothing."""
         raw = os.environ.get(self.name)
         if raw is None or not raw.strip():

@@ -17,11 +17,13 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from types import ModuleType
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from . import config
+
 # The verdict's state words are the engine's too (engine.FIXED_UPSTREAM, ...): re-exported.
 from .patch import (  # noqa: F401
     APPLIED,
@@ -125,7 +127,7 @@ class Settings:
     disabled: frozenset[str] = frozenset()
 
     @classmethod
-    def from_env(cls, strict: bool | None = None) -> "Settings":
+    def from_env(cls, strict: bool | None = None) -> Settings:
         return cls(
             strict=config.strict_from_env() if strict is None else strict,
             disabled=config.disabled_patch_ids([patch.id for patch in known_patches()]),
@@ -363,7 +365,7 @@ def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> l
             continue
         try:
             applied_now = _apply_patch(record, module)
-        except Exception as exc:  # noqa: BLE001 -- a broken patch is that patch's status, no one else's
+        except Exception as exc:  # a broken patch is that patch's status, no one else's
             _set(record, FAILED, f"{type(exc).__name__} while applying: {exc}")
             applied_now = False
         if applied_now:
@@ -594,7 +596,8 @@ def status() -> list[PatchStatus]:
             for patch in patches:
                 record = _initial_record(patch, version, disabled)
                 reason = _engine.startup_error or "overlay not activated in this process"
-                out.append(replace(record.status, state=INACTIVE, reason=f"{reason}; would be: {record.status.state} ({record.status.reason})"))
+                would_be = f"{reason}; would be: {record.status.state} ({record.status.reason})"
+                out.append(replace(record.status, state=INACTIVE, reason=would_be))
             return out
         return [_in_force(r) for r in _engine.records.values()]
 

@@ -28,7 +28,7 @@ import json
 import os
 import platform
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from . import config, engine
 from ._version import __version__
@@ -95,7 +95,7 @@ def collect() -> Lines:
 def _guarded(key: str, probe: Callable[[], Lines]) -> Lines:
     try:
         return probe()
-    except Exception as exc:  # noqa: BLE001 -- the block is for a bug report: the error is the answer
+    except Exception as exc:  # the block is for a bug report: the error is the answer
         return {key: _error(exc)}
 
 
@@ -120,7 +120,7 @@ def distribution_version(name: str) -> str:
         return version(name)
     except PackageNotFoundError:
         return NOT_INSTALLED
-    except Exception as exc:  # noqa: BLE001 -- broken metadata is worth reporting, not dying for
+    except Exception as exc:  # broken metadata is worth reporting, not dying for
         return _error(exc)
 
 
@@ -418,7 +418,7 @@ def settings_in_force() -> list[config.Value]:
     """Every setting's value, ``ATTN_OVERLAY_DISABLE``'s ids checked against the patch files."""
     try:
         known = [patch.id for patch in engine.known_patches()]
-    except Exception:  # noqa: BLE001 -- a broken patch file: its status says so; ids go unchecked
+    except Exception:  # a broken patch file: its status says so; ids go unchecked
         known = None
     return config.in_force(known)
 

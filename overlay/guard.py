@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from . import config
 
@@ -378,7 +379,7 @@ def _diagnose(
 # Used by patches/kv_cache_dtype.py (the policy: docs/patches/kv-cache-dtype.md).
 
 #: (kind, which, stored dtype, other dtype) tuples already warned about in this process.
-_warned_casts: set[tuple[str, str, str, str]] = set()
+_warned_casts: set[tuple[str, ...]] = set()
 
 
 def _first_time(*key: str) -> bool:

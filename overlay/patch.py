@@ -15,9 +15,10 @@ import inspect
 import io
 import linecache
 import textwrap
-from types import CodeType
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple
+from types import CodeType
+from typing import Any, NamedTuple
 
 #: Attribute set on every replacement the engine installs: the id of the patch it belongs to.
 PATCH_MARKER = "__overlay_patch__"
@@ -385,7 +386,7 @@ class Verdict:
         return tuple(m.label for m in self.matches if m.match == wanted and m.label is not None)
 
 
-def gate(patch: "Patch", installed: str | None, distribution: str = "transformers") -> tuple[str, str]:
+def gate(patch: Patch, installed: str | None, distribution: str = "transformers") -> tuple[str, str]:
     """The version half of :func:`assess`: (state, reason); ``PENDING`` means "read the code next"."""
     if installed is None:
         return NOT_INSTALLED, f"{distribution} is not installed"
@@ -447,7 +448,7 @@ def match_target(target: Target, source: str | None) -> TargetMatch:
 
 
 def assess(
-    patch: "Patch",
+    patch: Patch,
     installed: str | None,
     read_source: Callable[[Target], str | None] | None = None,
     *,
@@ -466,7 +467,7 @@ def assess(
     return judge_code(patch, read_source)
 
 
-def judge_code(patch: "Patch", read_source: Callable[[Target], str | None]) -> Verdict:
+def judge_code(patch: Patch, read_source: Callable[[Target], str | None]) -> Verdict:
     """The code half of :func:`assess`, whatever the release number says:
 
     - every present target a known original -> ``APPLIED`` (each match names its variant);

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -117,7 +118,7 @@ def _states() -> list[str]:
     ]
 
 
-def _gate_state(patch: Any, version: str) -> str:
+def _gate_state(patch: Any, version: str | None) -> str:
     from . import engine
 
     state = engine.gate(patch, version)[0]
@@ -150,7 +151,7 @@ def header_line() -> str:
 def pytest_report_header(config: pytest.Config) -> str:
     try:
         return header_line()
-    except Exception as exc:  # noqa: BLE001 -- a broken patch file must not stop the test run; strict mode says more
+    except Exception as exc:  # a broken patch file must not stop the test run; strict mode says more
         return f"attn-overlay: status unavailable ({type(exc).__name__}: {exc})"
 
 
@@ -184,7 +185,7 @@ def _import_targets() -> dict[str, str]:
     for name in sorted({patch.module for patch in engine.known_patches()}):
         try:
             importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 -- reported with the patches it leaves pending
+        except Exception as exc:  # reported with the patches it leaves pending
             errors[name] = f"{type(exc).__name__}: {exc}"
     return errors
 
@@ -237,7 +238,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     try:
         problems = strict_problems()
-    except Exception as exc:  # noqa: BLE001 -- e.g. a broken patch file: that is the finding
+    except Exception as exc:  # e.g. a broken patch file: that is the finding
         problems = [f"{type(exc).__name__}: {exc}"]
     if problems:
         # A UsageError, not pytest.exit(): pytest prints it once, as "ERROR: ...", and exits with 4.

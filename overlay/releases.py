@@ -32,7 +32,8 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from . import _patch_files
 from .patch import FIXED, Patch, Target, Variant
@@ -60,7 +61,7 @@ allow_drafts = False
 
 
 def data_path() -> str:
-    return os.path.join(os.path.dirname(_patch_files.package().__file__), FILENAME)
+    return os.path.join(os.path.dirname(_patch_files.package().__file__ or ""), FILENAME)
 
 
 def load() -> dict[str, Any]:
@@ -254,7 +255,9 @@ def patch_with_release_facts(*, targets: Sequence[Target], **declared: Any) -> P
     )
     upstream = declared.pop("upstream")
     if FIXED_IN in upstream and derived.fixed_in is None:
-        raise ValueError(f"patch {declared['id']!r}: its upstream text names {FIXED_IN}, but no release in {FILENAME} ships a fix")
+        raise ValueError(
+            f"patch {declared['id']!r}: its upstream text names {FIXED_IN}, but no release in {FILENAME} ships a fix"
+        )
     upstream = upstream.replace(NEWEST, derived.newest).replace(FIXED_IN, derived.fixed_in or FIXED_IN)
     return Patch(
         **declared, upstream=upstream, targets=targets,

@@ -75,7 +75,7 @@ _CURRENT: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("attn_ov
 # Per model: beam-search calls in flight that reorder its cache, and what its instance held under
 # STEP before (normally nothing); the step is routed through _next_beams while any is in flight.
 _LOCK = threading.Lock()
-_ROUTED: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()
+_ROUTED: weakref.WeakKeyDictionary[object, list] = weakref.WeakKeyDictionary()
 _NOTHING = object()
 
 

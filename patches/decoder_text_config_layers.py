@@ -28,7 +28,8 @@ returns ``self`` (decoder-only models: nearly every call) costs one identity com
 
 Limits: 4.56.x is not covered (its status says "out of range"): there the caches read the
 depth of the *whole* config (``get_text_config()``, the encoder's), for BART as for T5; 4.57
-made them ask for the decoder text config, the call this patch completes. Code that reads ``config.num_hidden_layers`` of the model's own config for the decoder
+made them ask for the decoder text config, the call this patch completes. Code that reads
+``config.num_hidden_layers`` of the model's own config for the decoder
 (rather than the decoder text config) is not changed; none was found on the cache paths of the
 affected releases. ``transformers.configuration_utils`` names the class ``PretrainedConfig`` up
 to 4.57 and ``PreTrainedConfig`` from 5.0 (the old name an alias): one target each.

@@ -58,7 +58,7 @@ def _same(a, b) -> bool:
         return True
     try:
         return bool(a == b)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return True
 
 

@@ -77,7 +77,7 @@ def _resize_empty_buffers(layer, key_states, value_states) -> bool:
 
     wrong = [
         (name, states.shape[-1])
-        for name, states in zip(BUFFERS, (key_states, value_states))
+        for name, states in zip(BUFFERS, (key_states, value_states), strict=True)
         if isinstance(getattr(layer, name, None), torch.Tensor)
         and getattr(layer, name).dim() == states.dim()
         and getattr(layer, name).shape[-1] != states.shape[-1]

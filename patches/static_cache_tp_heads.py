@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from overlay import report
 from overlay.patch import Target, Variant, wraps
@@ -186,7 +187,12 @@ def _values_per_layer(text_config: Any) -> dict[str, Callable[[int], Any]]:
     if per_layer:
         # A heterogeneous config (5.14.0 on; Gemma 4 from 5.15.0): each layer's own config.
         view = text_config.per_layer_config
-        return {name: (lambda i, name=name: getattr(view[i], name)) for name in PER_LAYER_HEAD_ATTRIBUTES if name in per_layer}
+        # mypy cannot infer a lambda that binds a default argument.
+        return {
+            name: (lambda i, name=name: getattr(view[i], name))  # type: ignore[misc]
+            for name in PER_LAYER_HEAD_ATTRIBUTES
+            if name in per_layer
+        }
     global_head_dim = getattr(text_config, "global_head_dim", None)
     layer_types = getattr(text_config, "layer_types", None)
     if not global_head_dim or not layer_types:
@@ -277,7 +283,9 @@ def make_replacement(original: Callable[..., Any], variant: Variant) -> Callable
         else:
             # 5.16.x: sharded by head, but the release never recorded tp_size, so its own code
             # would allocate every head. Divide by the size the model was sharded with.
-            report.record_outside_compile(PATCH_ID, f"divided KV heads by the tensor-parallel size {divide_by} (k_proj sharded colwise)")
+            report.record_outside_compile(
+                PATCH_ID, f"divided KV heads by the tensor-parallel size {divide_by} (k_proj sharded colwise)"
+            )
         return shape
 
     return _get_static_cache_init_shape

@@ -36,7 +36,7 @@ list makes it append full-attention dynamic layers as they are written: no error
 (the tests' reference), only sliding layers keep their whole history (memory, not output). A
 negative ``num_kv_shared_layers`` keeps the release's behaviour.
 
-Tested (``tests/patches/static_cache_zero_kv_shared_layers/test_patch_static_cache_zero_kv_shared_layers.py``): tiny random Gemma 4 (5.5.0 on)
+Tested (``tests/patches/static_cache_zero_kv_shared_layers/``): tiny random Gemma 4 (5.5.0 on)
 and ``Gemma3nForCausalLM`` with 0: stock raises the ``IndexError``, the overlay gives the dynamic cache's ids,
 one cache layer per layer type; Gemma 3n with 2 and Llama give stock's ids and layers. On a user's
 machine: ``python -m overlay.doctor --scenario zero-kv-shared-static-cache``.
@@ -96,7 +96,7 @@ def make_init(original, variant):
             return original(self, *args, **kwargs)
         try:
             text_config = get_text_config(**text_config_kwargs)
-        except Exception:  # noqa: BLE001  (the original raises it again, from its own line)
+        except Exception:  # (the original raises it again, from its own line)
             return original(self, *args, **kwargs)
         if not _shares_no_layer(text_config):
             return original(self, *args, **kwargs)

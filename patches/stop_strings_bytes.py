@@ -115,7 +115,7 @@ def _vocab_in_bytes(clean_tokenizer_vocab, kind: str):
         strings, indices = clean_tokenizer_vocab(tokenizer, static_prefix)
         # Paired by id, not by position: a fast tokenizer's get_vocab() order is not promised.
         token_of = {index: token for token, index in tokenizer.get_vocab().items()}
-        return tuple(_token_bytes(token_of[i], s, kind) for s, i in zip(strings, indices)), indices
+        return tuple(_token_bytes(token_of[i], s, kind) for s, i in zip(strings, indices, strict=True)), indices
 
     return clean_tokenizer_vocab_in_bytes
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 __all__ = ["run_doctor", "render", "main", "SCENARIO_IDS", "MissingDependencyError", "EXIT_MISSING_DEPENDENCY"]
 

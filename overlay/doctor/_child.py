@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
             # Not strict: a patch that does not apply must show up in the report, not kill the run.
             engine.apply(strict=False)
         result["cases"] = _run(spec, result)
-    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+    except BaseException as exc:  # everything is reported to the parent
         from overlay.doctor._scenarios import one_line, where
 
         result["error"] = one_line(exc)
@@ -124,7 +124,7 @@ def _add_overlay_status(spec: dict, result: dict) -> None:
         from overlay import report
 
         result["fired"] = report.fired_actions()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         result["status_error"] = f"{type(exc).__name__}: {exc}"
 
 

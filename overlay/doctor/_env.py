@@ -15,8 +15,9 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 #: Distributions whose versions the report shows (``None`` when not installed).
 PACKAGES = (
@@ -68,7 +69,7 @@ def check_dependencies() -> None:
                 missing.append(module)
             else:  # installed, but something it imports is not
                 broken.append(f"{module} ({type(exc).__name__}: {exc})")
-        except Exception as exc:  # noqa: BLE001 - an installed package that does not import
+        except Exception as exc:  # an installed package that does not import
             lines = str(exc).strip().splitlines()
             what = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
             broken.append(f"{module} ({what})")
@@ -281,7 +282,8 @@ name = torch._C._get_privateuse1_backend_name()
 if name not in ("privateuseone", "npu"):
     plugins = [m for m in imported if m not in ("torch_xla", "habana_frameworks.torch")]
     for i in range(count(getattr(torch, name, None))):
-        found.append({"device": f"{name}:{i}", "type": name, "name": f"{name} (PrivateUse1, via {', '.join(plugins) or 'torch'})", "plugins": plugins})
+        label = f"{name} (PrivateUse1, via {', '.join(plugins) or 'torch'})"
+        found.append({"device": f"{name}:{i}", "type": name, "name": label, "plugins": plugins})
 if "torch_xla" in imported:
     try:
         import torch_xla

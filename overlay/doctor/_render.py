@@ -156,4 +156,7 @@ def _size(count: int) -> str:
 
 
 def _wrap(text: str, indent: str, hang: int = 2) -> list[str]:
-    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + " " * hang, break_on_hyphens=False) or [indent]
+    lines = textwrap.wrap(
+        text, WIDTH, initial_indent=indent, subsequent_indent=indent + " " * hang, break_on_hyphens=False
+    )
+    return lines or [indent]

@@ -12,11 +12,12 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from . import _env
 from ..engine import known_patches
+from . import _env
 from ._scenarios import BY_ID, SCENARIOS, Scenario, patches_proving
 
 MODES = ("without", "with")

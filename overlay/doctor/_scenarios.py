@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import copy
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 MAX_NEW_TOKENS = 5
 PROMPT_LENGTHS = (6, 4)  # a left-padded batch of two
@@ -157,8 +158,9 @@ def run_host_inputs_static(device, **_) -> list[dict]:
             run_case(
                 f"{kind}, {cache} cache" + (" (control)" if control else ""),
                 control,
-                reference=lambda: _generate(model, on_device(batch, device), **kwargs),
-                under_test=lambda: _generate(model, batch, **kwargs),
+                # Bound now: run_case calls them before the loop moves on, but say so in the code.
+                reference=lambda model=model, kwargs=kwargs: _generate(model, on_device(batch, device), **kwargs),
+                under_test=lambda model=model, kwargs=kwargs: _generate(model, batch, **kwargs),
             )
         )
     return cases
@@ -445,15 +447,16 @@ def run_tp_prefill_chunk(device, *, workdir: str, world_size: int, **_) -> list[
         try:
             model = load_sharded(model_dir, plan, world_size, dtype=torch.float32)
         except Exception as exc:
-            cases.append({"name": name, "control": control, "ok": False, "error": "loading with this plan failed: " + one_line(exc), "where": where(exc)})
+            error = "loading with this plan failed: " + one_line(exc)
+            cases.append({"name": name, "control": control, "ok": False, "error": error, "where": where(exc)})
             continue
         inputs = {"input_ids": prompt.to(model.device), "attention_mask": torch.ones_like(prompt).to(model.device)}
         cases.append(
             run_case(
                 name,
                 control,
-                reference=lambda model=model: _generate(model, inputs, cache_implementation="static"),
-                under_test=lambda model=model: _generate(
+                reference=lambda model=model, inputs=inputs: _generate(model, inputs, cache_implementation="static"),
+                under_test=lambda model=model, inputs=inputs: _generate(
                     model, inputs, cache_implementation="static", prefill_chunk_size=TP_PREFILL_CHUNK
                 ),
             )
@@ -481,7 +484,11 @@ def run_gemma4_prefill_chunk(device, **_) -> list[dict]:
     cases = []
     for name, build, control in (
         ("gemma4, head size per layer", lambda: tiny_heterogeneous_model("gemma4_text"), False),
-        ("gemma4, head size and KV heads per layer", lambda: tiny_heterogeneous_model("gemma4_text", kv_heads_per_layer=True), False),
+        (
+            "gemma4, head size and KV heads per layer",
+            lambda: tiny_heterogeneous_model("gemma4_text", kv_heads_per_layer=True),
+            False,
+        ),
         ("llama, every layer alike (control)", lambda: tiny_model("llama"), True),
     ):
         model = build().to(device)
@@ -508,8 +515,13 @@ def run_zero_kv_shared_static_cache(device, **_) -> list[dict]:
     from transformers import StaticCache
 
     from overlay.testing.models import (
-        cache_argument_name, heterogeneous_kinds_installed, left_padded_batch, on_device, tiny_gemma3n,
-        tiny_heterogeneous_model, tiny_model,
+        cache_argument_name,
+        heterogeneous_kinds_installed,
+        left_padded_batch,
+        on_device,
+        tiny_gemma3n,
+        tiny_heterogeneous_model,
+        tiny_model,
     )
 
     batch = on_device(left_padded_batch(PROMPT_LENGTHS), device)

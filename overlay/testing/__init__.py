@@ -15,7 +15,6 @@
 Importing this package (or any of those modules) does not import torch.
 """
 
-from . import fake_device as _fake_device
 from .fake_device import (
     DEFAULT_DEVICE_NAME,
     FakeDeviceUnavailable,
@@ -25,4 +24,11 @@ from .fake_device import (
     install_fake_device,
 )
 
-__all__ = list(_fake_device.__all__)
+__all__ = [
+    "DEFAULT_DEVICE_NAME",
+    "FakeDeviceUnavailable",
+    "fake_device_available",
+    "fake_device_backend",
+    "fake_device_cache_dir",
+    "install_fake_device",
+]

@@ -51,7 +51,7 @@ def install(name: str, device_module: Any) -> None:
         _host: torch.Tensor
 
         @staticmethod
-        def __new__(cls, host: torch.Tensor) -> "HostBackedTensor":
+        def __new__(cls, host: torch.Tensor) -> HostBackedTensor:
             wrapper = torch.Tensor._make_wrapper_subclass(
                 cls,
                 host.size(),
@@ -92,7 +92,7 @@ def install(name: str, device_module: Any) -> None:
             return self._host.tolist()
 
         @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
             return _run_on_host(func, args, kwargs or {})
 
     HostBackedTensor.__module__ = __name__

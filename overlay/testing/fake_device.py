@@ -76,8 +76,9 @@ import sys
 import tempfile
 import threading
 import types
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported lazily: importing this module must stay cheap
     import torch
@@ -111,7 +112,7 @@ class FakeDeviceUnavailable(RuntimeError):
     """No implementation of the fake device could be installed in this process."""
 
 
-def install_fake_device(name: str = DEFAULT_DEVICE_NAME, backend: str = "auto") -> "torch.device":
+def install_fake_device(name: str = DEFAULT_DEVICE_NAME, backend: str = "auto") -> torch.device:
     """Install the host-memory device under ``name`` and return ``torch.device(f"{name}:0")``.
 
     ``backend`` is ``"auto"``, ``"cpp"`` or ``"python"`` (see the module documentation).
@@ -162,7 +163,7 @@ def install_fake_device(name: str = DEFAULT_DEVICE_NAME, backend: str = "auto") 
             try:
                 library = _load_cpp_backend(retry_failed_build=backend == "cpp")
                 chosen = "cpp"
-            except Exception as exc:  # noqa: BLE001 - reported below, or "python" is tried
+            except Exception as exc:  # reported below, or "python" is tried
                 if backend == "cpp":
                     raise FakeDeviceUnavailable(f"the C++ fake device could not be built or loaded: {exc}") from exc
                 failures.append(f"cpp: {type(exc).__name__}: {exc}")
@@ -172,7 +173,7 @@ def install_fake_device(name: str = DEFAULT_DEVICE_NAME, backend: str = "auto") 
             try:
                 _check_python_backend_supported()
                 chosen = "python"
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 failures.append(f"python: {type(exc).__name__}: {exc}")
                 raise FakeDeviceUnavailable(
                     "no fake device backend could be installed:\n  " + "\n  ".join(failures)
@@ -238,7 +239,7 @@ def fake_device_available(backend: str = "auto") -> bool:
     try:
         _check_python_backend_supported()
         python = True
-    except Exception:  # noqa: BLE001
+    except Exception:
         python = False
     return python if backend == "python" else cpp or python
 
@@ -409,7 +410,6 @@ def _build_cpp_library(library: Path) -> None:
 
 def _check_python_backend_supported() -> None:
     import torch
-
     from torch.utils import backend_registration
 
     missing = [

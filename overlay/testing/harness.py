@@ -28,8 +28,9 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from .. import _patch_files
 from ..patch import Patch
@@ -200,7 +201,7 @@ def _label_runs(label: str) -> list[tuple[str, str]]:
     return runs
 
 
-def _environment(extra: "dict[str, str] | None") -> dict:
+def _environment(extra: dict[str, str] | None) -> dict:
     # The overlay stays off unless the worker applies it; one thread per worker on shared CPUs.
     env = dict(os.environ, ATTN_OVERLAY="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.update(extra or {})
@@ -214,7 +215,7 @@ def run_json_worker(
     marker: str,
     timeout: float,
     cwd: Any = None,
-    env: "dict[str, str] | None" = None,
+    env: dict[str, str] | None = None,
 ) -> Any:
     """Run ``python script *args`` in a fresh interpreter (overlay off, one thread) and return
     the JSON on its last stdout line that starts with ``marker``; raise ``AssertionError`` with

@@ -30,7 +30,8 @@ Importing this module imports neither torch nor transformers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -141,8 +142,8 @@ def tiny_config(
 
 def tiny_model(
     kind: str,
-    dtype: "torch.dtype | str | None" = None,
-    device: "torch.device | str" = "cpu",
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
     attn_implementation: str | None = "sdpa",
     *,
     seed: int = 0,
@@ -197,7 +198,7 @@ def left_padded_batch(
     vocab_size: int = 128,
     pad_token_id: int = PAD_TOKEN_ID,
     seed: int = 0,
-) -> "dict[str, torch.Tensor]":
+) -> dict[str, torch.Tensor]:
     """``{"input_ids", "attention_mask"}`` on the CPU: one row per length, left-padded with
     ``pad_token_id`` to the longest, as a tokenizer with ``padding_side="left"`` returns them.
     Token ids are drawn from a private generator (the global RNG is left alone)."""
@@ -217,12 +218,12 @@ def left_padded_batch(
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def on_device(batch: "dict[str, Any]", device: Any) -> "dict[str, Any]":
+def on_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
     """``batch`` with every value moved to ``device`` (a new dict)."""
     return {name: value.to(device) for name, value in batch.items()}
 
 
-def greedy_ids(model: Any, inputs: "dict[str, Any]", max_new_tokens: int, **generate_kwargs: Any) -> "list[list[int]]":
+def greedy_ids(model: Any, inputs: dict[str, Any], max_new_tokens: int, **generate_kwargs: Any) -> list[list[int]]:
     """Greedy ``generate()`` without gradients or torch.compile, pad id :data:`PAD_TOKEN_ID`;
     the sequences as lists of ids on the host. A static cache that releases up to 5.14.x keep on
     the model from an earlier call is dropped first, so every call starts clean."""
@@ -237,7 +238,7 @@ def greedy_ids(model: Any, inputs: "dict[str, Any]", max_new_tokens: int, **gene
     return sequences.cpu().tolist()
 
 
-def hand_padded_batch() -> "tuple[torch.Tensor, torch.Tensor]":
+def hand_padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask)``: two rows of six, the first left-padded by two, written out
     by hand (the KV-cache tests' batch; its ids stay valid for any vocabulary of 15 or more)."""
     import torch
@@ -367,8 +368,8 @@ def tiny_gpt2_config(
 
 
 def tiny_gpt2(
-    dtype: "torch.dtype | str | None" = None,
-    device: "torch.device | str" = "cpu",
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
     attn_implementation: str | None = "sdpa",
     *,
     seed: int = 0,
@@ -485,12 +486,14 @@ def tiny_heterogeneous_config(kind: str, *, kv_heads_per_layer: bool = False, **
         return getattr(transformers, config_name)(**text)
     text_config = getattr(transformers, text_config_name)(**text)
     if kind == "step3p7":
-        vision = transformers.Step3p7VisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+        vision = transformers.Step3p7VisionConfig(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+        )
         return transformers.Step3p7Config(text_config=text_config, vision_config=vision)
     return getattr(transformers, config_name)(text_config=text_config)
 
 
-def _built_like_tiny_model(model_class: Any, config: Any, *, seed: int, attn_implementation: "str | None") -> Any:
+def _built_like_tiny_model(model_class: Any, config: Any, *, seed: int, attn_implementation: str | None) -> Any:
     """``model_class(config)`` built as :func:`tiny_model` builds the other kinds: the attention
     implementation set on the config (unless ``None``), weights from ``seed``, float32 on the CPU,
     eval mode, greedy, pad id :data:`PAD_TOKEN_ID`."""

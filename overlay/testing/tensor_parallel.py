@@ -10,7 +10,8 @@ Importing this module imports neither torch nor transformers.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["ATTENTION_COLWISE", "ATTENTION_GATHERED", "MLP", "load_sharded", "local_rows"]
 
@@ -36,7 +37,7 @@ MLP = {
 }
 
 
-def load_sharded(model_dir: str, plan: "Mapping[str, str] | None", world_size: int, dtype: Any = None):
+def load_sharded(model_dir: str, plan: Mapping[str, str] | None, world_size: int, dtype: Any = None):
     """``AutoModelForCausalLM.from_pretrained(model_dir)`` under tensor parallelism of
     ``world_size`` ranks (this process is one; the process group is initialised), with ``plan``
     as the config's ``base_model_tp_plan`` (``None`` keeps the model's own), in eval mode.
