@@ -24,5 +24,8 @@ PATCH_MODULES: tuple[str, ...] = (
     "beam_search_recurrent_cache",
     "static_cache_kv_head_sizes",
     "encoder_repetition_penalty_rows",
+    "prompt_lookup_no_eos",
     "beam_sample_sorted_candidates",
+    "quantized_cache_config_copy",
+    "quantized_cache_beam_reorder",
 )
