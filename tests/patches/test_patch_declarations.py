@@ -106,3 +106,24 @@ def test_the_patch_docstring_is_a_summary(module):
     source = inspect.getsource(_patch_files.module(module))
     lines = len((ast.get_docstring(ast.parse(source), clean=False) or "").splitlines())
     assert 0 < lines <= MOST_DOCSTRING_LINES, f"{module}: a docstring of {lines} lines; move the account to docs/patches/"
+
+
+@pytest.mark.parametrize("module", list(MODULES.values()), ids=list(MODULES))
+def test_each_replacement_keeps_the_name_docstring_and_signature(module):
+    # Where the installed code is one the patch was written for: the replacement the engine would
+    # install wraps it (``__wrapped__``) and shows its name, docstring and signature.
+    import inspect
+
+    under_test = _under_test(module)
+    built = 0
+    for target, stock in under_test.present_targets():
+        variant = target.variant_of(stock)
+        if variant is None:
+            continue
+        replacement = target.replace(stock, variant)
+        assert replacement.__wrapped__ is stock, target.key
+        assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__), target.key
+        assert inspect.signature(replacement) == inspect.signature(stock), target.key
+        built += 1
+    if under_test.affected and engine.gate(under_test.patch, str(TRANSFORMERS))[0] == engine.PENDING:
+        assert built, f"{module}: affected here, yet no target's code is one it was written for"

@@ -15,7 +15,6 @@ reference's positions and the run the reference's ids. Where stock works (no pos
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 
@@ -106,17 +105,6 @@ def runs():
 CASES = pytest.mark.parametrize(
     "kind,batch,mode", [(k, b, m) for k in MODELS for b in BATCHES for m in MODES]
 )
-
-
-def test_replacement_keeps_name_docstring_and_signature():
-    (target, stock), = PATCH.present_targets()
-    variant = target.variant_of(stock)
-    if AFFECTED:
-        assert variant is not None
-    replacement = target.replace(stock, variant)
-    assert replacement.__wrapped__ is stock
-    assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
-    assert inspect.signature(replacement) == inspect.signature(stock)
 
 
 def test_engine_status():

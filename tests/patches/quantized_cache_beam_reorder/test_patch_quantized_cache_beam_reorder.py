@@ -170,7 +170,6 @@ def test_layer_with_the_overlay(layer_runs):
 
 def test_layer_without_reorders_is_unchanged():
     import torch
-    from transformers import cache_utils
 
     runs = {}
     for state in ("stock", "patched"):

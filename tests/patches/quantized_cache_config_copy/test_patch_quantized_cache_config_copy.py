@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import inspect
 
 import pytest
 
 import overlay
-from overlay.patch import PATCH_MARKER, Variant
+from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("quantized_cache_config_copy")
@@ -86,14 +85,6 @@ def batch():
 
 
 # -- the patch data ---------------------------------------------------------------------------------
-
-
-def test_replacement_keeps_name_docstring_and_signature():
-    for target, stock in PATCH.present_targets():
-        replacement = target.replace(stock, target.variant_of(stock) or Variant("this release"))
-        assert replacement.__wrapped__ is stock
-        assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
-        assert inspect.signature(replacement) == inspect.signature(stock)
 
 
 def test_engine_status():
