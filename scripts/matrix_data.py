@@ -76,27 +76,20 @@ RELEASES: tuple[str, ...] = (
     "5.22.2",
     "5.23.0",
     "5.24.0",
-    "5.25.0",  # installed without its `kernels` requirement: REQUIREMENTS_LEFT_OUT
+    "5.25.0",
 )
 
 #: Requirements a lane installs its release without, because the package index lacks every
 #: release that satisfies them: {release: {requirement name: why}}. The lane installs the release
-#: with ``--no-deps``, then its other requirements as it declares them.
-REQUIREMENTS_LEFT_OUT: dict[str, dict[str, str]] = {
-    "5.25.0": {
-        "kernels": "5.25.0 requires kernels>=0.19.1,<0.20 and the package index has none newer than "
-        "0.17.2; transformers imports without it (is_kernels_available() is False) and no test here "
-        "loads a hub kernel",
-    },
-}
+#: with ``--no-deps``, then its other requirements as it declares them. Empty now: 5.25.0 needed
+#: it while the index had no ``kernels`` in 0.19.x (its requirement); it has 0.19.1 since, and the
+#: 5.25.0 lane installs as every other (``nox -s newest`` leaves such requirements out by itself).
+REQUIREMENTS_LEFT_OUT: dict[str, dict[str, str]] = {}
 
 #: Environment variables a lane's tests run with, on top of the offline settings: {release:
-#: {name: value}}. 5.25.0's from_pretrained turns hub kernels on by default and raises
-#: "Kernels are not available" without the `kernels` package (left out above); USE_HUB_KERNELS=0 is
-#: its own switch for that, as a user without that package sets it.
-LANE_ENVIRONMENT: dict[str, dict[str, str]] = {
-    "5.25.0": {"USE_HUB_KERNELS": "0"},
-}
+#: {name: value}} (e.g. ``USE_HUB_KERNELS=0`` for a release installed without ``kernels``, whose
+#: from_pretrained would otherwise raise "Kernels are not available"). Empty now.
+LANE_ENVIRONMENT: dict[str, dict[str, str]] = {}
 
 #: The release the whole test suite runs on (engine, startup hook, every patch): the one the
 #: README pins and the development environments use.
