@@ -230,8 +230,10 @@ def source_of(func: Callable[..., Any]) -> str:
     """The dedented source block of ``func``, decorators included: the canonical text a
     fingerprint hashes.
 
-    The block runs from the code object's first line (the first decorator) to the last line of
-    its last statement, exactly what :func:`inspect.getblock` returns (:func:`block_at`). It is
+    The block runs from the code object's first line (the first decorator) to the last line any
+    of its instructions covers: what :func:`inspect.getblock` returns (:func:`block_at`), except
+    a closing bracket on a line of its own after the last instruction, which no instruction covers
+    (the same block is cut everywhere, in the engine and from the wheels, so fingerprints agree). It is
     found from the code object's own line table (:func:`block_end`) instead of by tokenizing, and
     without :func:`inspect.getsource`, which scans ``sys.modules``: both are far too slow for an
     import hook (tens of milliseconds for a long method). ``scripts/fingerprint_release.py``
