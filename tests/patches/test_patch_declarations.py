@@ -127,3 +127,34 @@ def test_each_replacement_keeps_the_name_docstring_and_signature(module):
         built += 1
     if under_test.affected and engine.gate(under_test.patch, str(TRANSFORMERS))[0] == engine.PENDING:
         assert built, f"{module}: affected here, yet no target's code is one it was written for"
+
+
+@pytest.mark.parametrize("module", list(MODULES.values()), ids=list(MODULES))
+def test_applied_puts_every_replacement_in_force_and_revert_takes_it_back(module):
+    # The engine's word for this release, and what is on the owners: each present target holds
+    # the patch's replacement inside the block where the patch applies, stock's code otherwise.
+    import importlib
+
+    from overlay.patch import PATCH_MARKER, function_of
+
+    under_test = _under_test(module)
+    patch = under_test.patch
+    state = engine.gate(patch, str(TRANSFORMERS))[0]
+    if state == engine.OUT_OF_RANGE:
+        pytest.skip(f"{patch.id}: out of range here")
+    owner_module = importlib.import_module(patch.module)
+
+    def markers() -> list:
+        located = (target.locate(owner_module).raw for target in patch.targets)
+        return [getattr(function_of(raw), PATCH_MARKER, None) for raw in located if raw is not None]
+
+    with under_test.applied() as statuses:
+        status, during = statuses[patch.id], markers()
+    assert during, f"{patch.id}: none of its targets is here"
+    if state == engine.PENDING:
+        assert status.state == engine.APPLIED, status.reason
+        assert set(during) == {patch.id}
+    else:
+        assert (state, status.state) == (engine.FIXED_UPSTREAM, engine.FIXED_UPSTREAM), status.reason
+        assert set(during) == {None}
+    assert set(markers()) == {None}, "reverted after the block"

@@ -21,7 +21,6 @@ import types
 import pytest
 
 import overlay
-from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("beam_sample_sorted_candidates")
@@ -103,21 +102,6 @@ def runs():
             record["patched"] = _generate(seed, eos, **SAMPLING)
             record["fired"] = report.fired().get(PATCH_ID, 0)
     return results
-
-
-def test_engine_status():
-    from transformers.generation.utils import GenerationMixin
-
-    with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
-        during = GenerationMixin._get_top_k_continuations
-    if AFFECTED:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
-    else:
-        assert PATCH.fixed_upstream and status.state == "fixed upstream", status.reason
-        assert not hasattr(during, PATCH_MARKER)
-    assert not hasattr(GenerationMixin._get_top_k_continuations, PATCH_MARKER)
 
 
 @CASES

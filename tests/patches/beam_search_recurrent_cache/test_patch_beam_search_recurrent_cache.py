@@ -23,7 +23,7 @@ import inspect
 import pytest
 
 import overlay
-from overlay.patch import PATCH_MARKER, Variant
+from overlay.patch import Variant
 from overlay.testing.harness import SCORE_TOLERANCE, PatchUnderTest
 
 PATCH = PatchUnderTest("beam_search_recurrent_cache")
@@ -130,21 +130,6 @@ def test_replacements_keep_name_docstring_and_signature():
         assert replacement.__wrapped__ is stock
         assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
         assert inspect.signature(replacement) == inspect.signature(stock)
-
-
-def test_engine_status():
-    from transformers.generation.utils import GenerationMixin
-
-    with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
-        during = GenerationMixin._beam_search
-    if AFFECTED:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
-    else:
-        assert FIXED_UPSTREAM and status.state == "fixed upstream", status.reason
-        assert not hasattr(during, PATCH_MARKER)
-    assert not hasattr(GenerationMixin._beam_search, PATCH_MARKER), "reverted after the block"
 
 
 # -- the runs ---------------------------------------------------------------------------------------

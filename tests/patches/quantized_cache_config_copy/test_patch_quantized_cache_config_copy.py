@@ -25,7 +25,6 @@ import importlib.util
 import pytest
 
 import overlay
-from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("quantized_cache_config_copy")
@@ -85,21 +84,6 @@ def batch():
 
 
 # -- the patch data ---------------------------------------------------------------------------------
-
-
-def test_engine_status():
-    from transformers.generation import utils
-
-    with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
-        during = utils.GenerationMixin._prepare_cache_for_generation
-    if AFFECTED:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
-    else:
-        assert status.state == "fixed upstream", status.reason
-        assert not hasattr(during, PATCH_MARKER)
-    assert not hasattr(utils.GenerationMixin._prepare_cache_for_generation, PATCH_MARKER)
 
 
 # -- a dict reused, no backend needed ---------------------------------------------------------------

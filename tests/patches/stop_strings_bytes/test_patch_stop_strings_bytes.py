@@ -23,7 +23,6 @@ import inspect
 import pytest
 
 import overlay
-from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("stop_strings_bytes")
@@ -203,21 +202,6 @@ def test_replacement_keeps_name_docstring_and_signature():
     assert replacement.__wrapped__ is stock
     assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
     assert inspect.signature(replacement) == inspect.signature(stock)
-
-
-def test_engine_status():
-    from transformers.generation.stopping_criteria import StopStringCriteria
-
-    with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
-        during = StopStringCriteria.__init__
-    if AFFECTED:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
-    else:
-        assert status.state == "fixed upstream", status.reason
-        assert not hasattr(during, PATCH_MARKER)
-    assert not hasattr(StopStringCriteria.__init__, PATCH_MARKER)
 
 
 def test_the_control_stops_only_where_the_stop_string_ends(criterion_runs):
