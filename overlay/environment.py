@@ -276,15 +276,23 @@ def startup_hook_lines() -> Lines:
     }
 
 
+def startup_hook_watching() -> bool:
+    """Whether the startup hook's one watch, on ``transformers``, is on its finder in this process
+    (it stays there after it activated the overlay). Reads, never imports, ``_attn_overlay_startup``:
+    importing it is what installs the hook."""
+    startup = sys.modules.get("_attn_overlay_startup")
+    finder = startup.finder() if startup is not None else None
+    watches = finder.watched().get(engine.TRANSFORMERS, ()) if finder is not None else ()
+    return startup is not None and any(hook is startup.activate_when_transformers_is_imported for hook in watches)
+
+
 def _hook_active() -> Lines:
     """Whether the startup hook ran in this process: the interpreter read attn_overlay.pth at start,
     and the hook's one watch, on ``transformers``, is on its finder (it stays there after it
     activated the overlay). Importing the startup module sets that watch too (``overlay.apply()``
     does, in a source tree or an editable install): without the .pth, that is not the hook."""
     startup = sys.modules.get("_attn_overlay_startup")
-    finder = startup.finder() if startup is not None else None
-    watches = finder.watched().get(engine.TRANSFORMERS, ()) if finder is not None else ()
-    watching = startup is not None and any(hook is startup.activate_when_transformers_is_imported for hook in watches)
+    watching = startup_hook_watching()
     read_at_start = not sys.flags.no_site and installed_pth() is not None
     if watching and read_at_start and config.auto_enabled():
         if engine.is_active():

@@ -73,12 +73,11 @@ def _startup_hook() -> tuple[bool, str | None]:
 
     if not config.BY_NAME[config.ENABLE_VAR].read().value:  # read silently: a bad value is the engine's to report
         return False, f"{config.ENABLE_VAR}={os.environ.get(config.ENABLE_VAR)}"
-    startup = sys.modules.get("_attn_overlay_startup")
-    if startup is None:
+    if "_attn_overlay_startup" not in sys.modules:
         return False, "startup hook not loaded in this process (editable install? `python -m overlay.apply` says why)"
-    finder = startup.finder()
-    hooks = finder.watched().get("transformers", ()) if finder is not None else ()
-    if not any(h is startup.activate_when_transformers_is_imported for h in hooks):
+    from .environment import startup_hook_watching
+
+    if not startup_hook_watching():
         return False, "the startup hook is not watching transformers in this process"
     return True, None
 
