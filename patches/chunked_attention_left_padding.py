@@ -132,7 +132,7 @@ PATCH = patch_with_release_facts(
         "On 4.55.x chunked_overlay counts the chunks from column 0 of the batch (kv // chunk_size == "
         "q // chunk_size), so a row left-padded by p tokens has its chunk boundaries p tokens early."
     ),
-    upstream="huggingface/transformers#40324 (chunks counted from each row's first token), in 4.56.0",
+    upstream="huggingface/transformers#40324 (chunks counted from each row's first token), in {fixed_in}",
     targets=(
         Target(
             module=MODULE,

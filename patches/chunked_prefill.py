@@ -322,7 +322,7 @@ PATCH = patch_with_release_facts(
         "prompt's position_ids); 5.0.0 prepares no cache for the default cache_implementation, which the "
         "chunked branch requires."
     ),
-    upstream="fixed in transformers 5.21.0 (GenerationMixin._prefill's chunked branch starts at "
+    upstream="fixed in {fixed_in} (GenerationMixin._prefill's chunked branch starts at "
     "cache.get_seq_length(); no pull request found); the decode position and the rest since 5.3.0 "
     "(_prefill's chunked branch rewritten); the chunks' position ids with left padding since 5.0.0rc3 "
     "(huggingface/transformers#43132, issue #43082); the default cache since 5.1.0 "

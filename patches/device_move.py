@@ -124,7 +124,7 @@ PATCH = patch_with_release_facts(
         "device, so with host-side inputs the per-layer-type masks it nests in a dict (static cache, "
         "layer_types) stay on the host."
     ),
-    upstream="fixed in transformers 5.20.0 (transformers.pytorch_utils.move_to_device in "
+    upstream="fixed in {fixed_in} (transformers.pytorch_utils.move_to_device in "
     "GenerationMixin.prepare_inputs_for_generation)",
     targets=(
         Target(

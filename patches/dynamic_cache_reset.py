@@ -159,7 +159,7 @@ PATCH = patch_with_release_facts(
         "tensors but keeps them, while a dynamic layer grows by concatenation and counts its length from "
         "them: the next generate() appends the new prompt after the stale zero entries."
     ),
-    upstream="huggingface/transformers#48809 (DynamicLayer.reset drops the tensors), in 5.18.0",
+    upstream="huggingface/transformers#48809 (DynamicLayer.reset drops the tensors), in {fixed_in}",
     targets=(
         Target(
             module=MODULE,

@@ -177,7 +177,7 @@ PATCH = patch_with_release_facts(
         "that failed before each layer's first write leaves layers uninitialised that every later call trips on."
     ),
     upstream=(
-        "fixed in transformers 5.15.0 (GenerationMixin._prepare_static_cache builds a new cache per call); "
+        "fixed in {fixed_in} (GenerationMixin._prepare_static_cache builds a new cache per call); "
         "the half-initialised cache since 5.13.0 (the reuse check reads Cache.batch_size)"
     ),
     targets=(

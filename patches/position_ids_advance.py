@@ -84,7 +84,7 @@ PATCH = patch_with_release_facts(
         "leaves passed position_ids as they are, and prepare_inputs_for_generation then feeds every new "
         "token the last prompt position."
     ),
-    upstream="huggingface/transformers#43734 (generate() advances position_ids; issue #36510)",
+    upstream="huggingface/transformers#43734 (generate() advances position_ids; issue #36510), in {fixed_in}",
     targets=(
         Target(
             module=MODULE,

@@ -69,7 +69,7 @@ PATCH = patch_with_release_facts(
         "PromptLookupCandidateGenerator.get_candidates cuts its candidates at the first eos token with "
         "torch.isin(chosen_ids, eos_token_id), and generate() passes None there when no eos token is set."
     ),
-    upstream="huggingface/transformers#46790 (the eos cut is skipped without an eos token), in 5.13.0",
+    upstream="huggingface/transformers#46790 (the eos cut is skipped without an eos token), in {fixed_in}",
     targets=(
         Target(
             module=MODULE,

@@ -110,7 +110,7 @@ PATCH = patch_with_release_facts(
         "QuantizedLayer inherits CacheLayerMixin.reorder_cache, which reorders only the residual keys and "
         "values (an empty 1-D tensor after the prefill) and never the quantized states."
     ),
-    upstream="huggingface/transformers#48700 (QuantizedLayer.reorder_cache, deferred to update), in 5.19.0",
+    upstream="huggingface/transformers#48700 (QuantizedLayer.reorder_cache, deferred to update), in {fixed_in}",
     targets=(
         Target(
             module=MODULE,

@@ -77,7 +77,7 @@ PATCH = patch_with_release_facts(
         "_prepare_cache_for_generation pops \"backend\" from generation_config.cache_config and adds "
         "\"config\", and that dict is the very one the caller passed to generate()."
     ),
-    upstream="fixed in 5.19.0: _prepare_cache_for_generation deep-copies cache_config (no pull request found)",
+    upstream="fixed in {fixed_in}: _prepare_cache_for_generation deep-copies cache_config (no pull request found)",
     targets=(
         Target(
             module=MODULE,

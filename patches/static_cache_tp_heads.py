@@ -317,7 +317,7 @@ PATCH = patch_with_release_facts(
         "whose layers differ (Gemma 4) refuse to give."
     ),
     upstream=(
-        "fixed in transformers 5.20.0 (distributed.tensor_parallel.get_kv_heads_per_rank); "
+        "fixed in {fixed_in} (distributed.tensor_parallel.get_kv_heads_per_rank); "
         "layers that differ in head size or KV heads (Gemma 4) since 5.18.0 "
         "(GenerationMixin._get_static_cache_init_shape reads configuration_utils.get_head_shapes)"
     ),

@@ -121,7 +121,7 @@ PATCH = patch_with_release_facts(
         "the config has that attribute, and layer_types[:-0] is empty: a static cache for Gemma 4, or for "
         "Gemma 3n with num_kv_shared_layers=0, has no layers."
     ),
-    upstream="huggingface/transformers#46235 (slice only when num_kv_shared_layers > 0), in 5.10.1",
+    upstream="huggingface/transformers#46235 (slice only when num_kv_shared_layers > 0), in {fixed_in}",
     targets=(
         Target(
             module=MODULE,

@@ -156,7 +156,7 @@ PATCH = patch_with_release_facts(
         "StopStringCriteria matches characters and decodes each token alone, so tokens holding part of a "
         "character's UTF-8 bytes match nothing."
     ),
-    upstream="huggingface/transformers#46522 (issue #46519; matches in bytes for byte-level tokenizers)",
+    upstream="huggingface/transformers#46522 (issue #46519; matches in bytes for byte-level tokenizers), in {fixed_in}",
     targets=(
         Target(
             module=MODULE,

@@ -5,6 +5,8 @@ and what it refuses. Synthetic data here; the shipped file is checked by the too
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from overlay import releases
@@ -142,3 +144,20 @@ def test_a_missing_or_broken_data_file_names_itself_and_the_fix(tmp_path, monkey
     monkeypatch.setattr(releases, "data_path", lambda: str(path))
     with pytest.raises(RuntimeError, match=r"cannot read its release facts .*releases\.json.*reinstall"):
         releases.load()
+
+
+def test_every_release_an_upstream_text_names_is_one_the_data_knows_and_the_fix_is_the_derived_one():
+    # The full fix's release comes from the data ("{fixed_in}"); a text may still name an earlier
+    # partial fix by hand, which must then be a real release before the derived fix.
+    from packaging.version import Version
+
+    from overlay.registry import load_patches
+
+    data = releases.load()
+    known = set(data["releases"])
+    for patch in load_patches():
+        named = re.findall(r"(?<![\w.#])\d+\.\d+\.\d+(?:rc\d+)?(?![\w.])", patch.upstream)
+        assert set(named) <= known, (patch.id, sorted(set(named) - known))
+        if patch.fixed_in is not None:
+            assert patch.fixed_in in named, (patch.id, patch.upstream)
+            assert all(Version(n) <= Version(patch.fixed_in) for n in named), (patch.id, named)
