@@ -32,3 +32,19 @@ def test_without_defaults_a_missing_parameter_is_named():
     variant = _target({"a" * 64: Variant("1.0.0", {"late": True})}).originals["a" * 64]
     with pytest.raises(KeyError, match="variant '1.0.0' declares no parameter 'width'"):
         variant["width"]
+
+
+def test_every_patch_files_docstring_is_a_summary_the_history_lives_in_docs():
+    # CONTRIBUTING: what breaks, the error, what the replacement does, its limits, about 40 lines;
+    # the per-release account goes to docs/patches/<patch-id>.md.
+    import ast
+    from pathlib import Path
+
+    from overlay import _patch_files
+
+    too_long = {}
+    for path in sorted(Path(_patch_files.package().__file__).parent.glob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False) or ""
+        if len(docstring.splitlines()) > 60:
+            too_long[path.name] = len(docstring.splitlines())
+    assert too_long == {}
