@@ -69,7 +69,7 @@ SCALAR_HEADS_VARIANT = "5.13.0-5.17.0"
 WORLD_SIZE = 2
 # Generous for two rank processes importing torch and transformers on a busy 2-core machine;
 # the run takes well under a minute. A hung rank is killed and the test fails with its log.
-WORKER_TIMEOUT_S = 300
+WORKER_TIMEOUT_S = 600  # above the ranks' collective timeout (tests/_tp_worker.py), so a hung rank reports itself
 
 
 def stock_static_cache_init_shape():
