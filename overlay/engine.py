@@ -35,6 +35,8 @@ from .patch import (  # noqa: F401
     PENDING,
     UNRECOGNISED,
     Patch,
+    Target,
+    Variant,
     assess,
     function_of,
     judge_code,
@@ -57,6 +59,9 @@ BAD_STATES = frozenset({UNRECOGNISED, FAILED, DISPLACED})
 
 class OverlayError(RuntimeError):
     """Raised in strict mode, and for misuse of the API."""
+
+    #: Set on strict mode's error (:func:`_strict_error`): the startup hook lets it through.
+    raise_through_import: bool = False
 
 
 def _strict_error(message: str) -> OverlayError:
@@ -98,8 +103,14 @@ class PatchStatus:
 class _Swap:
     owner: Any
     name: str
-    original: Any  # the raw object found in owner.__dict__ (function, staticmethod, ...) or inherited
+    # The raw object found in owner.__dict__ (function, staticmethod, ...) or inherited: the stock
+    # one, or another overlay patch's replacement this one is layered on (see _apply_patch).
+    original: Any
     replacement: Any
+    # What built the replacement, so that it can be built again onto what is below it once a
+    # patch under it is reverted (_revert_records).
+    target: Target
+    variant: Variant
     # The owner inherited the original (Target.inherited_from): a revert deletes the replacement
     # from the owner's namespace instead of putting the original there.
     inherited: bool = False
@@ -196,24 +207,27 @@ def _rewrap_like(raw: Any, func: Any) -> Any:
 def _apply_patch(record: _Record, module: ModuleType) -> bool:
     """Ask :func:`overlay.patch.judge_code` (the code half of ``assess``) about the module's code,
     then swap every target or none.
-    Updates ``record.status``; true when this call swapped the targets."""
+    Updates ``record.status``; true when this call swapped the targets.
+
+    A target that another overlay patch has replaced already is judged by the code under the
+    overlay's replacements (transformers' own), and the new replacement wraps the one in place:
+    both fixes are in force, each patch's replacement calling the function it was given
+    (layered). :func:`_revert_records` takes such layers off in any order."""
     patch = record.patch
     located = {target.key: target.locate(module) for target in patch.targets}
-    for target in patch.targets:
-        raw = located[target.key][2]
-        marker = getattr(function_of(raw), PATCH_MARKER, None) if raw is not None else None
-        if marker == patch.id:
-            # Already ours (re-entrant import, or a second engine copy): nothing to do.
+    for location in located.values():
+        if location.raw is not None and _carries(function_of(location.raw), patch.id):
+            # Already ours (re-entrant import, or a second engine copy), possibly under another
+            # patch's layer: nothing to do.
             if record.status.state != APPLIED:
                 _set(record, APPLIED, "already applied in this process")
             return False
-        if marker is not None:
-            _set(record, FAILED, f"{target.key} is already replaced by overlay patch {marker!r}")
-            return False
+    # The code each target is judged by: the release's own, under any overlay replacements.
+    judged = {key: None if loc.raw is None else _below_overlay(function_of(loc.raw)) for key, loc in located.items()}
 
-    def read_source(target):
-        raw = located[target.key][2]
-        return None if raw is None else source_of(function_of(raw))
+    def read_source(target: Target) -> str | None:
+        func = judged[target.key]
+        return None if func is None else source_of(func)
 
     # The version half of the verdict was decided when the record was made (it is PENDING only
     # then): what is left to judge is the code.
@@ -221,7 +235,7 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
     if verdict.state != APPLIED:
         reason = verdict.reason
         if verdict.state == UNRECOGNISED:
-            reason = _foreign_code(patch, located) or reason
+            reason = _foreign_code(patch, judged) or reason
         _set(record, verdict.state, reason, verdict.labels)
         return False
 
@@ -231,15 +245,9 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
             if match.variant is None:  # an optional target this release does not have
                 continue
             owner, name, raw = located[match.target.key]
-            original = function_of(raw)
-            new = match.target.replace(original, match.variant)
-            if new is original or not callable(new):
-                raise OverlayError(f"replace() of {match.target.key} returned no new callable")
-            setattr(new, PATCH_MARKER, patch.id)
-            if getattr(new, "__wrapped__", None) is None:
-                new.__wrapped__ = original
+            replacement = _build(match.target, match.variant, raw, patch.id)
             inherited = vars(owner).get(name) is not raw
-            swaps.append(_Swap(owner, name, raw, _rewrap_like(raw, new), inherited))
+            swaps.append(_Swap(owner, name, raw, replacement, match.target, match.variant, inherited))
         for swap in swaps:
             setattr(swap.owner, swap.name, swap.replacement)
     except Exception as exc:  # a patch that raises leaves every target as it was
@@ -254,19 +262,72 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
     return True
 
 
-def _foreign_code(patch: Patch, located: dict) -> str | None:
+def _build(target: Target, variant: Variant, raw: Any, patch_id: str) -> Any:
+    """Patch ``patch_id``'s replacement of ``raw`` (what the owner holds: the stock function, or
+    another patch's replacement, which the new one then wraps), marked, wrapped like ``raw``."""
+    original = function_of(raw)
+    new: Any = target.replace(original, variant)  # a function: its attributes are set below
+    if new is original or not callable(new):
+        raise OverlayError(f"replace() of {target.key} returned no new callable")
+    setattr(new, PATCH_MARKER, patch_id)
+    if getattr(new, "__wrapped__", None) is None:
+        new.__wrapped__ = original
+    return _rewrap_like(raw, new)
+
+
+# How far a __wrapped__ chain is followed: a bound on odd __wrapped__ cycles.
+_CHAIN_LIMIT = 32
+
+
+def _overlay_id(func: Any) -> str | None:
+    """The id of the overlay patch whose replacement ``func`` is, or ``None`` for anything else.
+    A foreign wrapper made with ``functools.wraps`` around a replacement copies its ``__dict__``,
+    marker included, so it carries the id of the function it wraps: no replacement does (a patch
+    never wraps its own replacement), so such a wrapper is not counted as one."""
+    marker = getattr(func, PATCH_MARKER, None)
+    if marker is None or getattr(getattr(func, "__wrapped__", None), PATCH_MARKER, None) == marker:
+        return None
+    return marker
+
+
+def _carries(func: Any, patch_id: str) -> bool:
+    """Whether ``func`` is patch ``patch_id``'s replacement or wraps it at any depth (under other
+    patches' layers, or under a wrapper that keeps ``__wrapped__``): the patch is there already."""
+    for _ in range(_CHAIN_LIMIT):
+        if func is None:
+            return False
+        if getattr(func, PATCH_MARKER, None) == patch_id:
+            return True
+        func = getattr(func, "__wrapped__", None)
+    return False
+
+
+def _below_overlay(func: Any) -> Any:
+    """The function under the overlay replacements stacked on ``func`` (``func`` itself where
+    there are none): the code a patch layered on them is judged by. Only the overlay's own
+    replacements are looked through, never a foreign wrapper (that one is judged as it is)."""
+    for _ in range(_CHAIN_LIMIT):
+        inner = getattr(func, "__wrapped__", None)
+        if _overlay_id(func) is None or inner is None:
+            return func
+        func = inner
+    return func
+
+
+def _foreign_code(patch: Patch, judged: dict[str, Any]) -> str | None:
     """Why a target is unrecognised when another library replaced it before the overlay came (its
     function is defined outside transformers' module for it): the overlay patches only code it
-    recognises, never over someone else's. ``None`` when every target is transformers' own code."""
+    recognises, never over someone else's. ``None`` when every target is transformers' own code.
+    ``judged`` maps each target's key to the function its code was judged by."""
     for target in patch.targets:
-        raw = located[target.key][2]
-        if raw is None:
+        func = judged[target.key]
+        if func is None:
             continue
-        module = getattr(function_of(raw), "__module__", None)
+        module = getattr(func, "__module__", None)
         own = {target.module, *([target.inherited_from.partition(":")[0]] if target.inherited_from else [])}
         if module is not None and module not in own:
             return (
-                f"{target.key} is {describe_object(raw)}, which another library put there before the overlay "
+                f"{target.key} is {describe_object(func)}, which another library put there before the overlay "
                 "patched: not transformers' code, so not patched (the overlay patches only code it recognises). "
                 f"Its fix, if any, is that library's; ATTN_OVERLAY_DISABLE={patch.id} silences this"
             )
@@ -277,19 +338,84 @@ def _set(record: _Record, state: str, reason: str, variants: tuple[str, ...] = (
     record.status = replace(record.status, state=state, reason=reason, variants=variants)
 
 
-def _revert_record(record: _Record) -> None:
-    for swap in reversed(record.swaps):
-        current = vars(swap.owner).get(swap.name)
-        if current is swap.replacement:
-            swap.undo()
-        else:
+def _revert_records(records: list[_Record]) -> None:
+    """Take these records' replacements off, in any order: each target gets back the very object
+    the lowest of them replaced. Another patch's replacement layered on one of them (not reverted
+    itself) is taken off with it, then built again onto what is there now: that patch stays
+    applied, over the code below. A replacement someone else covered since (with anything but the
+    overlay's own layers) is left as it is, with a warning."""
+    reverting = {id(record) for record in records}
+    slots: dict[tuple[int, str], list[tuple[_Record, _Swap]]] = {}
+    for record in _engine.records.values():
+        for swap in record.swaps:
+            slots.setdefault((id(swap.owner), swap.name), []).append((record, swap))
+    failed: dict[str, tuple[_Record, str]] = {}  # patch id -> (record, why) of a layer not rebuilt
+    for entries in slots.values():
+        if any(id(record) in reverting for record, _ in entries):
+            _revert_slot(entries, reverting, failed)
+    for record in records:
+        record.swaps = []
+    # All or none, for a patch too: one of its layers could not be rebuilt, so its other
+    # targets are put back as well.
+    for record, reason in failed.values():
+        _revert_records([record])
+        _set(record, FAILED, reason)
+
+
+def _revert_slot(entries: list[tuple[_Record, _Swap]], reverting: set[int], failed: dict[str, tuple[_Record, str]]) -> None:
+    """:func:`_revert_records` on one attribute: ``entries`` are every applied swap made there."""
+    owner, name = entries[0][1].owner, entries[0][1].name
+    by_replacement = {id(swap.replacement): (record, swap) for record, swap in entries}
+    # The overlay's layers from the object in place down, each the original of the one above.
+    stack: list[tuple[_Record, _Swap]] = []
+    current = vars(owner).get(name)
+    while id(current) in by_replacement:
+        record, swap = by_replacement.pop(id(current))
+        stack.append((record, swap))
+        current = swap.original
+    for record, _ in by_replacement.values():  # not reached from the object in place
+        if id(record) in reverting:
             logger.warning(
-                "attn-overlay: %s.%s was replaced by someone else after the overlay patched it; "
-                "left as it is",
-                getattr(swap.owner, "__qualname__", swap.owner),
-                swap.name,
+                "attn-overlay: %s.%s was replaced by someone else after the overlay patched it; left as it is",
+                getattr(owner, "__qualname__", owner),
+                name,
             )
-    record.swaps = []
+    lowest = max((i for i, (record, _) in enumerate(stack) if id(record) in reverting), default=None)
+    if lowest is None:
+        return
+    for _, swap in stack[: lowest + 1]:  # from the top: each puts back the layer below it
+        swap.undo()
+    for record, swap in reversed(stack[:lowest]):  # the layers kept, from the bottom up
+        if id(record) not in reverting:
+            _relayer(record, swap, failed)
+
+
+def _relayer(record: _Record, swap: _Swap, failed: dict[str, tuple[_Record, str]]) -> None:
+    """Build ``swap``'s replacement again onto what its attribute holds now (the same variant: the
+    code under the overlay, which it was judged by, is unchanged), in ``record.swaps``."""
+    raw = _raw_on(swap.owner, swap.name)
+    try:
+        if raw is None:
+            raise OverlayError(f"{swap.target.key} is gone")
+        replacement = _build(swap.target, swap.variant, raw, record.patch.id)
+    except Exception as exc:
+        record.swaps = [s for s in record.swaps if s is not swap]
+        failed[record.patch.id] = (record, f"{type(exc).__name__} while layering it again after a revert under it: {exc}")
+        return
+    layered = _Swap(swap.owner, swap.name, raw, replacement, swap.target, swap.variant, swap.name not in vars(swap.owner))
+    setattr(swap.owner, swap.name, replacement)
+    record.swaps = [layered if s is swap else s for s in record.swaps]
+
+
+def _raw_on(owner: Any, name: str) -> Any:
+    """What ``owner`` holds for ``name``: its own ``__dict__`` entry, or else what a class
+    inherits (as :meth:`overlay.patch.Target.locate` finds it). ``None`` when neither."""
+    raw = vars(owner).get(name)
+    if raw is None and isinstance(owner, type):
+        for base in owner.__mro__[1:]:
+            if name in vars(base):
+                return vars(base)[name]
+    return raw
 
 
 # -- registry ------------------------------------------------------------------------------
@@ -337,8 +463,13 @@ def _on_module_executed(module: ModuleType) -> None:
             return
         _forget_reexecuted(module)
         problems = _apply_for_module(module)
-        if problems and _engine.settings.strict:
+        if problems and _strict():
             raise _strict_error("; ".join(problems))
+
+
+def _strict() -> bool:
+    """Whether the settings in force ask for strict mode (``False`` when not active)."""
+    return _engine.settings is not None and _engine.settings.strict
 
 
 def _forget_reexecuted(module: ModuleType) -> None:
@@ -346,8 +477,8 @@ def _forget_reexecuted(module: ModuleType) -> None:
     for record in _engine.records.values():
         if record.patch.module != module.__name__ or record.status.state != APPLIED or not record.swaps:
             continue
-        current = [target.locate(module)[2] for target in record.patch.targets]
-        if all(raw is None or getattr(function_of(raw), PATCH_MARKER, None) == record.patch.id for raw in current):
+        current = [target.locate(module).raw for target in record.patch.targets]
+        if all(raw is None or _carries(function_of(raw), record.patch.id) for raw in current):
             continue
         record.swaps = []  # the owners are the old module's objects: nothing to put back there
         _set(record, PENDING, f"{module.__name__} was executed again (reload); patching the new code")
@@ -373,7 +504,7 @@ def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> l
         elif record.status.state in BAD_STATES:
             message = f"attn-overlay: patch {record.patch.id} not applied: {record.status.reason}"
             problems.append(message)
-            if not _engine.settings.strict:
+            if not _strict():
                 logger.warning(message)
     _engine.last_apply_seconds[module.__name__] = time.perf_counter() - started
     if swapped:
@@ -573,11 +704,9 @@ def revert(only: Iterable[str] | None = None) -> list[PatchStatus]:
     """Put back the very same function objects the overlay replaced, and stop watching imports."""
     with _engine.lock:
         ids = set(only) if only is not None else set(_engine.records)
-        for patch_id in ids:
-            record = _engine.records.get(patch_id)
-            if record is None:
-                continue
-            _revert_record(record)
+        chosen = [record for patch_id, record in _engine.records.items() if patch_id in ids]
+        _revert_records(chosen)
+        for record in chosen:
             _set(record, INACTIVE, "reverted")
         if all(r.status.state == INACTIVE for r in _engine.records.values()):
             _engine.settings = None
@@ -629,7 +758,7 @@ def _wraps(current: Any, replacement: Any) -> bool:
     """Whether ``current`` wraps ``replacement`` (``functools.wraps``' ``__wrapped__`` chain)."""
     target = function_of(replacement)
     func = function_of(current)
-    for _ in range(32):  # a bound on odd __wrapped__ cycles
+    for _ in range(_CHAIN_LIMIT):
         func = getattr(func, "__wrapped__", None)
         if func is None:
             return False
@@ -709,7 +838,7 @@ def reverted() -> Iterator[None]:
             _engine.suspended = outer
             if outer is not None:  # nested: the outer block patches them when it ends
                 outer.update(imported)
-            if was:
+            if was and settings is not None:  # something was applied, so settings were in force
                 _activate(settings, only=was)
             if _engine.active and _engine.suspended is None:
                 problems = []
@@ -717,7 +846,7 @@ def reverted() -> Iterator[None]:
                     module = sys.modules.get(name)
                     if module is not None:
                         problems += _apply_for_module(module)
-                if problems and _engine.settings.strict:
+                if problems and _strict():
                     raise _strict_error("; ".join(problems))
 
 
