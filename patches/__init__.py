@@ -17,6 +17,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "chunked_attention_left_padding",
     "position_ids_advance",
     "decoder_text_config_layers",
+    "encoder_decoder_cache_depth",
     "generation_config_set_keys",
     "generation_config_precedence",
     "stop_strings_bytes",

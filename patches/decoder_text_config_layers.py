@@ -26,9 +26,10 @@ that copy has a ``num_decoder_layers`` other than its ``num_hidden_layers``, it 
 The config itself and any shared sub-config are never changed; a config for which the original
 returns ``self`` (decoder-only models: nearly every call) costs one identity comparison.
 
-Limits: 4.56.x is not covered (its status says "out of range"): there the caches read the
-depth of the *whole* config (``get_text_config()``, the encoder's), for BART as for T5; 4.57
-made them ask for the decoder text config, the call this patch completes. Code that reads
+Limits: 4.56.x is out of this patch's range: there the caches read the depth of the *whole*
+config (``get_text_config()``, the encoder's), for BART as for T5, and ``encoder-decoder-cache-depth``
+lets them grow to the decoder's; 4.57 made them ask for the decoder text config, the call this
+patch completes (``docs/patches/decoder-text-config-layers.md`` tells both). Code that reads
 ``config.num_hidden_layers`` of the model's own config for the decoder
 (rather than the decoder text config) is not changed; none was found on the cache paths of the
 affected releases. ``transformers.configuration_utils`` names the class ``PretrainedConfig`` up

@@ -10,7 +10,8 @@ layers) with a static cache, and with the default cache where generate() sizes i
 (not on 5.0.0rc0 - 5.0.x, where the model grows its own cache layer by layer); with the patch the
 run gives the reference's ids. 4.55.x, whose caches grow layer by layer, is "out of range" and
 generates. 4.56.x is "out of range" too, with another bug: its caches read the *whole* config's
-depth (the encoder's) for BART as well; the tests pin that down as stock's, not covered.
+depth (the encoder's) for BART as well; the tests pin that down as stock's (this patch leaves it;
+``encoder-decoder-cache-depth`` fixes it, tests/patches/encoder_decoder_cache_depth/).
 Where stock works (equal depths, a shallower decoder, BART's ``decoder_layers``) the overlay
 gives stock's ids, and the model's own config is never changed.
 """
@@ -34,7 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 INDEX_ERROR = PATCH.error("list index")
 #: 4.56.x hands the caches the whole config (``get_text_config()``): its ``num_hidden_layers`` is
-#: the encoder's depth for T5 and BART alike (4.57 asks for the decoder's). Not covered.
+#: the encoder's depth for T5 and BART alike (4.57 asks for the decoder's). Not this patch's:
+#: encoder-decoder-cache-depth's.
 CACHES_READ_THE_WHOLE_CONFIG = Version("4.56.0") <= PATCH.transformers < Version("4.57.0")
 #: 5.0.0rc0 - 5.0.x leave the default cache to the model, which grows it layer by layer (read in
 #: the wheels: 5.1.0's generate() builds it from the config again).
@@ -138,15 +140,16 @@ def test_stock(runs, depth, mode):
 def test_overlay_gives_the_reference(runs, depth, mode):
     record = runs[depth, mode]
     if CACHES_READ_THE_WHOLE_CONFIG:
-        assert record["patched"] == record["stock"], "4.56.x: not covered, stock's behaviour"
+        assert record["patched"] == record["stock"], "4.56.x: out of range, stock's behaviour"
     else:
         assert record["patched"] == record["reference"]
 
 
 @pytest.mark.skipif(not CACHES_READ_THE_WHOLE_CONFIG, reason="4.56.x only")
 def test_bart_deeper_decoder_fails_on_4_56_as_stock():
-    """The limit the docs state: 4.56.x sizes BART's caches from the encoder too; upstream fixed
-    that in 4.57 (the caches ask for the decoder text config), which this patch then completes."""
+    """The limit the docs state: 4.56.x sizes BART's caches from the encoder too (fixed there by
+    encoder-decoder-cache-depth); upstream fixed that in 4.57 (the caches ask for the decoder text
+    config), which this patch then completes."""
     from transformers import BartConfig, BartForConditionalGeneration
 
     config = BartConfig(

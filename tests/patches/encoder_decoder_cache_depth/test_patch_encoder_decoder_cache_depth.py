@@ -1,0 +1,287 @@
+"""encoder-decoder-cache-depth: on 4.56.x a T5 or BART whose decoder is deeper than its encoder generates.
+
+Reproduced for real on the CPU, in this process: tiny random T5 (``num_decoder_layers``) and BART
+(``decoder_layers``) with 2 encoder and 3 decoder layers, a batch of two, greedy and beam search,
+with the default cache and with ``cache_implementation="static"``. The reference is the same model
+and batch without a cache (``use_cache=False``: every step runs the whole decoder again, so no
+cache is sized).
+
+On 4.56.0 - 4.56.2 stock raises ``IndexError: list index out of range`` (the caches have the
+encoder's 2 layers); with the patch the run gives the reference's ids, static and default caches
+alike, alone and with every other patch of the overlay layered on the same targets. Equal and
+shallower decoders give stock's ids (a shallower decoder's extra cache layers are never filled).
+4.55.x is "out of range" (its caches grow), 4.57.1 on "fixed upstream" (the caches ask for the
+decoder's config; T5's ``num_decoder_layers`` there is ``decoder-text-config-layers``): on every
+lane the whole overlay gives the reference's ids for every depth.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import overlay
+from overlay import _patch_files, engine
+from overlay.patch import PATCH_MARKER
+from overlay.testing.harness import PatchUnderTest
+
+PATCH = PatchUnderTest("encoder_decoder_cache_depth")
+PATCH_ID = PATCH.id
+AFFECTED = PATCH.affected
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+INDEX_ERROR = f"IndexError: {PATCH.error('list index')}"
+#: T5's decoder depth in the decoder text config (4.57.1 on) is another patch's bug: its own module
+#: pins stock down there; here the whole overlay must generate.
+T5_DEPTH_IS_THE_OTHER_PATCH = (
+    engine.gate(_patch_files.module("decoder_text_config_layers").PATCH, str(PATCH.transformers))[0]
+    == engine.PENDING
+)
+MAX_NEW_TOKENS = 6
+#: (encoder layers, decoder layers): deeper, equal and shallower decoders.
+DEPTHS = {"deeper decoder": (2, 3), "equal": (2, 2), "shallower decoder": (3, 2)}
+MODES = {
+    "default cache": {},
+    "static cache": {"cache_implementation": "static"},
+    "beam search": {"num_beams": 2},
+    "static beam search": {"cache_implementation": "static", "num_beams": 2},
+}
+#: Larger weights than the defaults, so the tiny models' ids vary from step to step.
+T5_INITIALIZER_FACTOR = 8.0
+BART_INIT_STD = 0.2
+
+
+def _t5(encoder_layers: int, decoder_layers: int):
+    from overlay.testing.models import tiny_model
+
+    return tiny_model(
+        "t5", attn_implementation=None, num_hidden_layers=encoder_layers,
+        num_decoder_layers=decoder_layers, initializer_factor=T5_INITIALIZER_FACTOR,
+    )
+
+
+def _bart(encoder_layers: int, decoder_layers: int):
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=128, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
+        max_position_embeddings=64, init_std=BART_INIT_STD,
+    )
+    torch.manual_seed(0)
+    return BartForConditionalGeneration(config).eval()
+
+
+MODELS = {"t5": _t5, "bart": _bart}
+
+
+def _generate(model, keep_cache: bool = False, **kwargs) -> dict:
+    import torch
+
+    from overlay.testing.models import PAD_TOKEN_ID, greedy_ids, left_padded_batch
+
+    batch = left_padded_batch((7, 5), seed=3)
+    try:
+        if not keep_cache:  # greedy_ids drops a kept static cache first
+            return {"ids": greedy_ids(model, batch, MAX_NEW_TOKENS, **kwargs)}
+        with torch.no_grad():
+            out = model.generate(
+                **batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, disable_compile=True,
+                pad_token_id=PAD_TOKEN_ID, **kwargs,
+            )
+        return {"ids": out.tolist()}
+    except Exception as exc:  # noqa: BLE001  (the tests read which one)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _all_applied():
+    """Every patch of the overlay, as users get it: the others layered on this one's targets.
+    Every target module is imported first: one first imported inside the block would be patched
+    on import and stay patched after it, for the tests that run next."""
+    import importlib
+
+    from overlay.registry import load_patches
+
+    for module in sorted({target.module for patch in load_patches() for target in patch.targets}):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # a module this release does not have
+            pass
+    return overlay.applied()
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """``{(model, depth, mode): {"reference", "stock", "patched", "overlay"}}``."""
+    import transformers.cache_utils  # noqa: F401  (the patch's module, so the engine judges it)
+
+    results = {}
+    for kind, build in MODELS.items():
+        for depth, (encoder_layers, decoder_layers) in DEPTHS.items():
+            model = build(encoder_layers, decoder_layers)
+            for mode, kwargs in MODES.items():
+                record = results[kind, depth, mode] = {}
+                with overlay.reverted():
+                    record["reference"] = _generate(model, use_cache=False, **kwargs)
+                    record["stock"] = _generate(model, **kwargs)
+                with PATCH.applied():
+                    record["patched"] = _generate(model, **kwargs)
+                with _all_applied():
+                    record["overlay"] = _generate(model, **kwargs)
+    return results
+
+
+CASES = pytest.mark.parametrize(
+    "kind,depth,mode", [(k, d, m) for k in MODELS for d in DEPTHS for m in MODES]
+)
+
+
+def test_engine_status():
+    from transformers import cache_utils
+
+    classes = (cache_utils.DynamicCache, cache_utils.StaticCache)
+    with PATCH.applied() as statuses:
+        status = statuses[PATCH_ID]
+        during = [vars(cls)["__init__"] for cls in classes]
+    if AFFECTED:
+        assert status.state == "applied", status.reason
+        assert [getattr(init, PATCH_MARKER, None) for init in during] == [PATCH_ID, PATCH_ID]
+    elif PATCH.transformers.release < (4, 56):
+        assert status.state == "out of range", status.reason
+    else:
+        assert status.state == "fixed upstream", status.reason
+    assert not any(hasattr(vars(cls)["__init__"], PATCH_MARKER) for cls in classes)
+
+
+def test_layered_with_the_other_patches_of_its_targets():
+    """On 4.56 ``StaticCache.__init__`` is static-cache-zero-kv-shared-layers' target too: both apply."""
+    with _all_applied() as statuses:
+        states = {status.id: status.state for status in statuses}
+    if AFFECTED:
+        other = "static-cache-zero-kv-shared-layers"
+        disabled = other in os.environ.get("ATTN_OVERLAY_DISABLE", "").split(",")
+        assert states[PATCH_ID] == "applied", states
+        assert states[other] == ("disabled" if disabled else "applied"), states
+
+
+@CASES
+def test_stock(runs, kind, depth, mode):
+    record = runs[kind, depth, mode]
+    assert "ids" in record["reference"], record["reference"]
+    if depth == "deeper decoder" and AFFECTED:
+        assert record["stock"] == {"error": INDEX_ERROR}, record["stock"]
+    elif not (kind == "t5" and depth == "deeper decoder" and T5_DEPTH_IS_THE_OTHER_PATCH):
+        assert record["stock"] == record["reference"]
+
+
+@CASES
+def test_patch_gives_the_reference(runs, kind, depth, mode):
+    record = runs[kind, depth, mode]
+    if AFFECTED:
+        assert record["patched"] == record["reference"]
+    else:
+        assert record["patched"] == record["stock"], "not applied here: stock's behaviour"
+
+
+@CASES
+def test_whole_overlay_gives_the_reference_on_every_release(runs, kind, depth, mode):
+    assert runs[kind, depth, mode]["overlay"] == runs[kind, depth, mode]["reference"]
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_reference_ids_vary(runs, kind):
+    """The comparisons can tell runs apart: a reference row is not one repeated token."""
+    ids = runs[kind, "deeper decoder", "default cache"]["reference"]["ids"]
+    assert any(len(set(row[1:])) > 2 for row in ids), ids
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_static_cache_gives_the_default_cache_ids(runs, kind):
+    """With the overlay (on 4.56 this patch, on 4.57 and later decoder-text-config-layers for T5)."""
+    for depth in DEPTHS:
+        for greedy, static in (("default cache", "static cache"), ("beam search", "static beam search")):
+            assert runs[kind, depth, static]["overlay"] == runs[kind, depth, greedy]["overlay"], (depth, static)
+
+
+@pytest.mark.parametrize("depth", ["deeper decoder", "shallower decoder"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_kept_static_cache_serves_the_next_call(kind, depth):
+    """A static cache generate() keeps on the model (and resets) has grown once, for good; a
+    shallower decoder's never-filled layer survives the reset."""
+    encoder_layers, decoder_layers = DEPTHS[depth]
+    model = MODELS[kind](encoder_layers, decoder_layers)
+    with overlay.reverted():
+        reference = _generate(model, use_cache=False)
+    vars(model).pop("_cache", None)
+    with _all_applied():
+        first = _generate(model, keep_cache=True, cache_implementation="static")
+        second = _generate(model, keep_cache=True, cache_implementation="static")
+    assert first == second == reference
+    cache = vars(model).get("_cache")
+    if AFFECTED and cache is not None and depth == "deeper decoder":
+        assert len(cache.self_attention_cache.layers) == len(cache.cross_attention_cache.layers) == 3
+
+
+@pytest.mark.skipif(not AFFECTED, reason="4.56.x only: the stock caches of a shallower decoder")
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_shallower_decoder_leaves_one_cache_layer_empty(kind):
+    """Stock sizes the caches of a 3-encoder, 2-decoder model with 3 layers: the third is never
+    filled and allocates nothing (a static layer allocates on its first update); the ids are the
+    reference's (test_stock). Harmless, so left as it is."""
+    model = MODELS[kind](3, 2)
+    with overlay.reverted():
+        assert "ids" in _generate(model, keep_cache=True, cache_implementation="static")
+    cache = vars(model).pop("_cache")
+    for half in (cache.self_attention_cache, cache.cross_attention_cache):
+        assert len(half.layers) in (2, 3)
+        assert all(layer.keys is None for layer in half.layers[2:])
+
+
+@pytest.mark.skipif(not AFFECTED, reason="the replacement's choices, on the releases it applies to")
+def test_only_uniform_plain_caches_of_encoder_decoder_configs_grow():
+    import pickle
+
+    import torch
+    from transformers import DynamicCache, LlamaConfig, StaticCache, T5Config
+
+    t5 = T5Config(num_layers=2, num_decoder_layers=3)
+    llama = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64)
+    sliding_t5 = T5Config(num_layers=2, num_decoder_layers=3)
+    sliding_t5.sliding_window = 4
+    with PATCH.applied():
+        grows = [
+            DynamicCache(config=t5).layer_class_to_replicate is not None,
+            StaticCache(config=t5, max_cache_len=8).layer_class_to_replicate is not None,
+            StaticCache(t5, 8).layer_class_to_replicate is not None,
+        ]
+        stays = [
+            DynamicCache(config=llama).layer_class_to_replicate,
+            StaticCache(config=llama, max_cache_len=8).layer_class_to_replicate,
+            DynamicCache(config=sliding_t5).layer_class_to_replicate,
+            StaticCache(config=sliding_t5, max_cache_len=8).layer_class_to_replicate,
+        ]
+        lazy = DynamicCache()
+        grown = pickle.loads(pickle.dumps(StaticCache(config=t5, max_cache_len=8)))
+        grown.update(*[torch.zeros(1, 2, 3, 4)] * 2, 2, {"cache_position": torch.arange(3)})
+    assert grows == [True, True, True]
+    assert stays == [None, None, None, None]
+    assert lazy.layer_class_to_replicate is not None and not lazy.layers, "stock's lazy cache, as it was"
+    assert len(grown.layers) == 3, "a pickled cache still grows"
+    assert (t5.num_layers, t5.num_decoder_layers, t5.num_hidden_layers) == (2, 3, 2), "the config is unchanged"
+
+
+def test_report_counts_what_it_changed():
+    from overlay import report
+
+    report.reset()
+    with PATCH.applied():
+        _generate(_t5(2, 2))
+        _generate(_bart(3, 2), cache_implementation="static")
+        unchanged = report.fired().get(PATCH_ID, 0)
+        _generate(_bart(2, 3))
+        deeper = report.fired().get(PATCH_ID, 0)
+    assert unchanged == 0
+    assert (deeper > 0) == AFFECTED
