@@ -34,7 +34,8 @@ RELEASES: tuple[str, ...] = (
     # The pinned accelerator stacks' releases: the newest patch release of each minor 4.55 - 5.12.
     "4.55.4",
     "4.56.0",  # the first release with the fix for chunked attention with left padding
-    "4.56.2",
+    "4.56.2",  # the last release whose caches take an encoder-decoder's depth from the encoder
+    "4.57.1",  # the first that sizes them by the decoder (encoder-decoder-cache-depth steps aside)
     "4.57.6",
     "5.0.0rc1",  # optimum-executorch's pin
     "5.0.0rc2",  # the last release that overwrites an explicit GenerationConfig's booleans
