@@ -794,16 +794,18 @@ def apply_timings() -> dict[str, float]:
 @contextlib.contextmanager
 def applied(*, only: Iterable[str] | None = None, strict: bool | None = None) -> Iterator[list[PatchStatus]]:
     """Apply for the duration of a ``with`` block; afterwards revert what this block applied and
-    put back the settings that were in force before it."""
+    put back the settings that were in force before it. A patch the block left waiting for its
+    module's import stops waiting too: a module first imported after the block stays stock."""
+    in_play = (APPLIED, PENDING)
     with _engine.lock:
-        before = {pid for pid, r in _engine.records.items() if r.status.state == APPLIED}
+        before = {pid for pid, r in _engine.records.items() if r.status.state in in_play}
         previous = _engine.settings
         try:
             result = apply(strict=strict, only=only)
         except BaseException:
             _restore_settings(previous)
             raise
-        mine = [s.id for s in result if s.state == APPLIED and s.id not in before]
+        mine = [s.id for s in result if s.state in in_play and s.id not in before]
     try:
         yield result
     finally:

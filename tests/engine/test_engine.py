@@ -271,6 +271,18 @@ def test_applied_context_reverts_only_what_it_applied(toy):
         assert core.Mixin().compute(1) == 3
 
 
+def test_applied_context_leaves_a_module_first_imported_after_it_stock(toy):
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        with engine.applied() as statuses:
+            assert [s.state for s in statuses] == [engine.PENDING]
+        assert toy.module not in sys.modules
+        core = toy.import_core()  # after the block: nothing asked for the patch any more
+        assert core.Mixin().compute(1) == 2
+        assert _state().state == engine.INACTIVE
+        engine.apply()  # a later activation still patches it
+        assert core.Mixin().compute(1) == 3
+
+
 def test_unknown_patch_id_is_a_clear_error(toy):
     with engine.isolated([toy_patch(toy)], distribution=toy.name):
         with pytest.raises(OverlayError, match=r"unknown patch id\(s\) \['nope'\]; known: \['toy-add-two'\]"):
