@@ -31,6 +31,8 @@ def mount() -> None:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(PACKAGE, init, submodule_search_locations=[beside])
+    if spec is None or spec.loader is None:  # not for an existing .py file: there for the type checker
+        raise ImportError(f"cannot load {init} as {PACKAGE}")
     package = importlib.util.module_from_spec(spec)
     sys.modules[PACKAGE] = package
     try:

@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 #: Attribute set on every replacement the engine installs: the id of the patch it belongs to.
 PATCH_MARKER = "__overlay_patch__"
@@ -122,6 +122,12 @@ class Target:
     def key(self) -> str:
         return f"{self.module}:{self.qualname}"
 
+    @property
+    def known_variants(self) -> Mapping[str, Variant]:
+        """``originals`` as it is after construction: every label string is a :class:`Variant`
+        by then (``__post_init__``), whatever the field's type admits when a target is built."""
+        return cast(Mapping[str, Variant], self.originals)
+
     def locate(self, module: Any) -> Location:
         """(owner, attribute name, raw object, or ``None``) for this target in the imported
         ``module``. The raw object is what the owner's ``__dict__`` holds (a ``staticmethod`` stays
@@ -149,14 +155,14 @@ class Target:
         """The release's own function for this target in ``module``, behind any overlay
         replacement (``None`` when the module has no such attribute)."""
         raw = self.locate(module).raw
-        func = function_of(raw) if raw is not None else None
+        func: Any = function_of(raw) if raw is not None else None
         while getattr(func, PATCH_MARKER, None) is not None:
             func = func.__wrapped__
         return func
 
     def variant_of(self, func: Callable[..., Any]) -> Variant | None:
         """The variant whose code ``func`` is, or ``None``."""
-        return self.originals.get(fingerprint(func))
+        return self.known_variants.get(fingerprint(func))
 
     def build(self, original: Callable[..., Any], otherwise: Variant | None = None) -> Callable[..., Any]:
         """``replace(original, its variant)`` outside the engine (tests, benchmarks). For code no
@@ -441,7 +447,7 @@ def match_target(target: Target, source: str | None) -> TargetMatch:
     if source is None:
         return TargetMatch(target, ABSENT_OPTIONAL if target.optional else MISSING)
     digest = fingerprint_source(source)
-    variant = target.originals.get(digest)
+    variant = target.known_variants.get(digest)
     if variant is not None:
         return TargetMatch(target, ORIGINAL, digest, variant, variant.label)
     if digest in target.fixed:
@@ -476,20 +482,20 @@ def judge_code(patch: Patch, read_source: Callable[[Target], str | None]) -> Ver
     - else any target new, missing or unreadable -> ``UNRECOGNISED``, naming the first;
     - else (known fixed code, possibly next to originals) -> ``FIXED_UPSTREAM``.
     """
-    matches = []
+    found: list[TargetMatch] = []
     for target in patch.targets:
         try:
-            matches.append(match_target(target, read_source(target)))
+            found.append(match_target(target, read_source(target)))
         except (OSError, TypeError) as exc:
-            matches.append(TargetMatch(target, UNREADABLE, detail=f"cannot read the source of {target.key}: {exc}"))
-    matches = tuple(matches)
+            found.append(TargetMatch(target, UNREADABLE, detail=f"cannot read the source of {target.key}: {exc}"))
+    matches = tuple(found)
     present = [m for m in matches if m.match != ABSENT_OPTIONAL]
     if present and all(m.match == ORIGINAL for m in present):
         return Verdict(APPLIED, f"patched {', '.join(m.target.key for m in present)}", matches)
     for m in matches:
-        if m.match == NEW:
+        if m.match == NEW:  # match_target gives every NEW match its digest (the `or` is for the type)
             return Verdict(UNRECOGNISED, (
-                f"{m.target.key} is not the code this patch was written for (sha256 {m.digest[:12]}); "
+                f"{m.target.key} is not the code this patch was written for (sha256 {(m.digest or '')[:12]}); "
                 "not patched. Run scripts/fingerprint_release.py on this release, or report it"
             ), matches)
         if m.match == MISSING:

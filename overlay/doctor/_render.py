@@ -148,11 +148,12 @@ def _pairs(rows: list[tuple[str, str]], width: int | None = None) -> list[str]:
 def _size(count: int) -> str:
     if count < 1024:
         return "empty" if count == 0 else f"{count} bytes"
+    scaled = float(count)
     for unit in ("KiB", "MiB", "GiB"):
-        count /= 1024
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}"
-    return f"{count:.0f} GiB"
+        scaled /= 1024
+        if scaled < 1024 or unit == "GiB":
+            return f"{scaled:.0f} {unit}"
+    return f"{scaled:.0f} GiB"
 
 
 def _wrap(text: str, indent: str, hang: int = 2) -> list[str]:

@@ -127,26 +127,28 @@ def run(
             say(f"[{done_count}/{total}] {scenario.id}, {mode} overlay: {verdict}{detail} [{result['seconds']:.1f} s]")
 
         # Distributed scenarios first, every rank at once, in the same order on every rank.
-        for scenario in (s for s in runnable if s.distributed):
-            for mode in MODES:
-                spec = _spec(scenario, mode, choice, workdir, threads, import_all=first_with is None and mode == "with")
-                spec["distributed"] = {
-                    "master_addr": launch.master_addr,
-                    "master_port": launch.master_port,
-                    "rank": launch.rank,
-                    "world_size": launch.world_size,
-                    "prefix": f"attn-overlay-doctor/{group['run_id']}/{scenario.id}/{mode}/",
-                    "timeout_s": timeout,
-                }
-                # transformers puts a tensor-parallel model on the accelerator torch reports; the
-                # fake device is no accelerator for torch.distributed, so TP runs on the CPU there.
-                spec["device"] = None
-                spec["fake_device"] = None
-                own = _run_child(spec, timeout, workdir, distributed=True)
-                merged = _merge_ranks(_gather(group, own), launch.world_size)
-                if launch.rank == 0:
-                    results[(scenario.id, mode)] = merged
-                    announce(scenario, mode, merged)
+        # (`runnable` holds distributed scenarios only under torchrun, where the group exists.)
+        if group is not None:
+            for scenario in (s for s in runnable if s.distributed):
+                for mode in MODES:
+                    spec = _spec(scenario, mode, choice, workdir, threads, import_all=first_with is None and mode == "with")
+                    spec["distributed"] = {
+                        "master_addr": launch.master_addr,
+                        "master_port": launch.master_port,
+                        "rank": launch.rank,
+                        "world_size": launch.world_size,
+                        "prefix": f"attn-overlay-doctor/{group['run_id']}/{scenario.id}/{mode}/",
+                        "timeout_s": timeout,
+                    }
+                    # transformers puts a tensor-parallel model on the accelerator torch reports; the
+                    # fake device is no accelerator for torch.distributed, so TP runs on the CPU there.
+                    spec["device"] = None
+                    spec["fake_device"] = None
+                    own = _run_child(spec, timeout, workdir, distributed=True)
+                    merged = _merge_ranks(_gather(group, own), launch.world_size)
+                    if launch.rank == 0:
+                        results[(scenario.id, mode)] = merged
+                        announce(scenario, mode, merged)
 
         if tasks:
             if jobs is None:
@@ -391,7 +393,7 @@ def _init_parent_group(launch: _Launch, timeout: float, scenario_count: int) -> 
 def _gather(group: dict, result: dict) -> list[dict] | None:
     import torch.distributed as dist
 
-    everyone: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    everyone: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(result, everyone, dst=0)
     return everyone
 

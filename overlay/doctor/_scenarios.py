@@ -107,7 +107,10 @@ def where(exc: BaseException) -> str | None:
     return f"{path}:{frame.lineno} in {frame.name}"
 
 
-def run_case(name: str, control: bool, reference: Callable[[], list], under_test: Callable[[], list]) -> dict:
+# Called without arguments. `Callable[..., list]`, not `Callable[[], list]`: the scenarios bind loop
+# variables as lambda defaults (`lambda model=model: ...`), which mypy cannot match against a
+# zero-argument callable ("Cannot infer type of lambda", python/mypy#12557).
+def run_case(name: str, control: bool, reference: Callable[..., list], under_test: Callable[..., list]) -> dict:
     """Runs the reference, then the run under test; a record of what happened (never raises)."""
     record: dict[str, Any] = {"name": name, "control": control, "ok": False, "error": None}
     try:

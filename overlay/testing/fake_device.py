@@ -434,7 +434,8 @@ def _make_device_module(name: str) -> types.ModuleType:
     as transformers look up on ``torch.<device type>`` for a custom device."""
     import torch
 
-    module = types.ModuleType(f"torch.{name}", f"Host-memory fake device {name!r} (attn-overlay testing).")
+    # Any: the attributes below are set one by one on a bare module, which declares none of them.
+    module: Any = types.ModuleType(f"torch.{name}", f"Host-memory fake device {name!r} (attn-overlay testing).")
 
     def _index(device: Any = None) -> int:
         if device is None:

@@ -146,11 +146,12 @@ class PatchUnderTest:
 
         affected = SpecifierSet(self.patch.affected)
         for spec in self.patch.targets:
-            for label in (variant.label for variant in spec.originals.values()):
+            for label in (variant.label for variant in spec.known_variants.values()):
                 for bound in (b for run in _label_runs(label) for b in run):
                     assert affected.contains(Version(bound), prereleases=True), label
             for label in spec.fixed.values():
                 for bound in (b for run in _label_runs(label) for b in run):
+                    assert self.patch.fixed_in is not None, f"{label}: fixed code is known, but the patch has no fixed_in"
                     assert Version(bound) >= Version(self.patch.fixed_in), label
 
     @contextlib.contextmanager
