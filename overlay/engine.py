@@ -561,7 +561,7 @@ def _activate(settings: Settings, only: Iterable[str] | None, *, from_startup: b
         if config.report_at_exit():
             from . import report
 
-            report.print_report_at_exit(patches, statuses=status)
+            report.print_report_at_exit(patches, displaced=_displaced)
         problems: list[str] = []
         for name in sorted({r.patch.module for r in _engine.records.values() if r.status.state == PENDING}):
             module = sys.modules.get(name)
@@ -729,6 +729,11 @@ def status() -> list[PatchStatus]:
                 out.append(replace(record.status, state=INACTIVE, reason=would_be))
             return out
         return [_in_force(r) for r in _engine.records.values()]
+
+
+def _displaced() -> list[PatchStatus]:
+    """The statuses of the patches displaced now (the exit report names them)."""
+    return [s for s in status() if s.state == DISPLACED]
 
 
 def _in_force(record: _Record) -> PatchStatus:

@@ -394,7 +394,7 @@ class Verdict:
         return tuple(m.label for m in self.matches if m.match == wanted and m.label is not None)
 
 
-def gate(patch: Patch, installed: str | None, distribution: str = "transformers") -> tuple[str, str]:
+def judge_version(patch: Patch, installed: str | None, distribution: str = "transformers") -> tuple[str, str]:
     """The version half of :func:`assess`: (state, reason); ``PENDING`` means "read the code next"."""
     if installed is None:
         return NOT_INSTALLED, f"{distribution} is not installed"
@@ -464,12 +464,12 @@ def assess(
 ) -> Verdict:
     """What ``patch`` meets on release ``installed``: the one decision, without side effects.
 
-    The version first (:func:`gate`); in range, and given ``read_source`` (``target -> source
+    The version first (:func:`judge_version`); in range, and given ``read_source`` (``target -> source
     text``, ``None`` when the release defines no such function; it may raise ``OSError`` or
     ``TypeError`` for code without readable source), the code of every target
     (:func:`judge_code`). Without ``read_source`` an in-range release stays ``PENDING``.
     """
-    state, reason = gate(patch, installed, distribution)
+    state, reason = judge_version(patch, installed, distribution)
     if state != PENDING or read_source is None:
         return Verdict(state, reason)
     return judge_code(patch, read_source)

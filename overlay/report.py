@@ -66,9 +66,9 @@ def describe_actions(actions: dict[str, int]) -> str:
     return "; ".join(f"{action} ({count}x)" for action, count in ranked)
 
 
-def report_lines(patches, statuses=()) -> list[str]:
+def report_lines(patches, displaced=()) -> list[str]:
     """One line per patch that fired, with its actions and the upgrade advice, then one per
-    patch in ``statuses`` (``overlay.status()``) that is displaced: its fix is not in force."""
+    status in ``displaced`` (the engine's displaced patches: their fix is not in force)."""
     by_id = {patch.id: patch for patch in patches}
     lines = []
     calls = fired()
@@ -83,18 +83,17 @@ def report_lines(patches, statuses=()) -> list[str]:
         else:
             advice = "; no transformers release fixes this yet"
         lines.append(f"attn-overlay: {patch_id} fired in {total} call(s): {what}{advice}")
-    for status in statuses:
-        if status.state == "displaced":
-            lines.append(f"attn-overlay: {status.id} is displaced: {status.reason}")
+    for status in displaced:
+        lines.append(f"attn-overlay: {status.id} is displaced: {status.reason}")
     return lines
 
 
 _registered_at_exit = False
 
 
-def print_report_at_exit(patches, statuses=None) -> None:
+def print_report_at_exit(patches, displaced=None) -> None:
     """Print :func:`report_lines` on stderr when the process exits (registered once);
-    ``statuses``: a callable returning the patch statuses then (the engine's ``status``)."""
+    ``displaced``: a callable returning the displaced patches' statuses then (the engine's)."""
     global _registered_at_exit
     with _lock:
         if _registered_at_exit:
@@ -102,14 +101,14 @@ def print_report_at_exit(patches, statuses=None) -> None:
         _registered_at_exit = True
     import atexit
 
-    atexit.register(print_report, patches, statuses=statuses)
+    atexit.register(print_report, patches, displaced=displaced)
 
 
-def print_report(patches, stream=None, statuses=None) -> None:
+def print_report(patches, stream=None, displaced=None) -> None:
     """Write :func:`report_lines` to stderr (nothing when nothing fired and nothing is displaced;
-    ``statuses`` as for :func:`print_report_at_exit`). Never raises."""
+    ``displaced`` as for :func:`print_report_at_exit`). Never raises."""
     try:
-        lines = report_lines(patches, statuses() if statuses is not None else ())
+        lines = report_lines(patches, displaced() if displaced is not None else ())
         if lines:
             print("\n".join(lines), file=stream or sys.stderr, flush=True)
     except Exception:
