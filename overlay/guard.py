@@ -50,10 +50,8 @@ from . import config
 
 #: Environment variable holding the mode (its row in the settings table: ``overlay/config.py``).
 MODE_VAR = config.GUARD_VAR
-ALIGN = "align"
-CHECK = "check"
-OFF = "off"
-MODES = config.GUARD_MODES
+MODES = config.GUARD_MODES  # the settings table's words, named here for the guard's own code
+ALIGN, CHECK, OFF = MODES
 DEFAULT_MODE = config.GUARD_DEFAULT
 #: The old name of :data:`CHECK` (the same string): code comparing ``mode == guard.STRICT`` keeps working.
 STRICT = CHECK
