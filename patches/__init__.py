@@ -29,5 +29,6 @@ PATCH_MODULES: tuple[str, ...] = (
     "prompt_lookup_no_eos",
     "beam_sample_sorted_candidates",
     "quantized_cache_config_copy",
+    "encoder_decoder_dynamic_cache",
     "quantized_cache_beam_reorder",
 )
