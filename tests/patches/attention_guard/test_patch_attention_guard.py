@@ -26,7 +26,6 @@ from overlay.testing.harness import PatchUnderTest
 GUARD = PatchUnderTest("attention_guard")
 GUARD.skip_module_unless_covered()
 
-GUARD_ID = GUARD.id
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -683,7 +682,7 @@ def test_align_casts_after_a_kernel_rejects_dtypes_and_reports_it():
     with guard_applied():
         out = dispatch("sdpa", _dummy_eager)(_GQA(), query, key.float(), value.float(), None)[0]
     assert torch.equal(out, reference)
-    assert report.fired_actions()[GUARD_ID] == {"cast torch.float32 key/value to torch.bfloat16 at the attention entry": 1}
+    assert report.fired_actions()[GUARD.id] == {"cast torch.float32 key/value to torch.bfloat16 at the attention entry": 1}
     report.reset()
 
 

@@ -41,7 +41,6 @@ GUARD = PatchUnderTest("attention_guard")
 GUARD.skip_module_unless_covered()
 
 # The test body below is kept to the letter: hypothesis derives its examples (derandomize) from it.
-GUARD_ID = GUARD.id
 
 USER_KERNEL = "guard-property-user-matmul"
 DTYPES = (torch.float32, torch.bfloat16)
@@ -176,7 +175,7 @@ def test_the_guard_never_fails_where_stock_works_and_names_what_stock_cannot_com
     tensors = example["tensors"]
     with overlay.reverted():
         stock_kind, stock = call_kernel(example, tensors)
-    with overlay.applied(only=[GUARD_ID]), guard.using_mode(example["mode"]):
+    with overlay.applied(only=[GUARD.id]), guard.using_mode(example["mode"]):
         kind, result = call_kernel(example, tensors)
     context = f"{example['kernel']} {example['mode']} autocast={example['autocast']} {example['what']}: stock {stock_kind} {stock!r:.200}, overlay {kind} {result!r:.300}"
 

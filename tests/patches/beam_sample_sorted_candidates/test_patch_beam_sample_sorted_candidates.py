@@ -25,8 +25,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("beam_sample_sorted_candidates")
 PATCH.skip_module_unless_covered()
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,7 +98,7 @@ def runs():
         report.reset()
         with PATCH.applied():
             record["patched"] = _generate(seed, eos, **SAMPLING)
-            record["fired"] = report.fired().get(PATCH_ID, 0)
+            record["fired"] = report.fired().get(PATCH.id, 0)
     return results
 
 
@@ -109,7 +107,7 @@ def test_stock_finishes_the_first_candidates_drawn(runs, seed, eos):
     import torch
 
     record = runs[seed, eos]
-    if AFFECTED:
+    if PATCH.affected:
         assert record["stock"]["ids"] != record["control"]["ids"], "stock must return other sequences"
         # What a user sees: the best returned hypothesis of some prompt scores lower than upstream's.
         best = lambda scores: scores.view(2, -1).max(dim=-1).values  # noqa: E731
@@ -126,7 +124,7 @@ def test_overlay_gives_the_control_run(runs, seed, eos):
     record = runs[seed, eos]
     assert record["patched"]["ids"] == record["control"]["ids"]
     torch.testing.assert_close(record["patched"]["scores"], record["control"]["scores"], rtol=0, atol=0)
-    if AFFECTED:
+    if PATCH.affected:
         assert record["fired"] > 0  # one count per sampled step
     else:
         assert record["fired"] == 0
@@ -142,7 +140,7 @@ def test_beam_search_without_sampling_is_stock_bit_for_bit():
     report.reset()
     with PATCH.applied():
         patched = _generate(0, "frequent eos")
-        fired = report.fired().get(PATCH_ID, 0)
+        fired = report.fired().get(PATCH.id, 0)
     assert patched["ids"] == stock["ids"]
     torch.testing.assert_close(patched["scores"], stock["scores"], rtol=0, atol=0)
     assert fired == 0

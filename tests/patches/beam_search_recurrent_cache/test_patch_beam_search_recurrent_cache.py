@@ -28,9 +28,6 @@ from overlay.testing.harness import SCORE_TOLERANCE, PatchUnderTest
 
 PATCH = PatchUnderTest("beam_search_recurrent_cache")
 PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
-FIXED_UPSTREAM = PATCH.fixed_upstream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,7 +82,7 @@ def _beam_search(model, rows: int = 1, **options) -> dict:
         "ids": out.sequences[:, PROMPT_LENGTH:].tolist(),
         "scores": out.sequences_scores,
         "beam indices": out.beam_indices,
-        "fired": report.fired_actions().get(PATCH_ID, {}),
+        "fired": report.fired_actions().get(PATCH.id, {}),
     }
 
 
@@ -143,7 +140,7 @@ def test_the_reference_beams_move_between_rows(runs, kind, rows):
 @CASES
 def test_beam_search_on_stock_transformers(runs, kind, rows):
     reference, stock = runs[kind, rows]["reference"], runs[kind, rows]["stock"]
-    if AFFECTED:
+    if PATCH.affected:
         assert stock["ids"] != reference["ids"], "the state is not reordered: other beams, silently"
     else:
         assert stock["ids"] == reference["ids"], "5.13.0+: the release reorders cache_params"
@@ -160,7 +157,7 @@ def test_beam_search_with_the_overlay_is_the_uncached_one(runs, kind, rows):
     assert patched["ids"] == reference["ids"]
     torch.testing.assert_close(patched["scores"], reference["scores"], **SCORE_TOLERANCE)
     assert runs[kind, rows]["left behind"] == (0, False), "the call's hook and routing are undone after it"
-    if AFFECTED:  # one reorder per step, as upstream's loop does
+    if PATCH.affected:  # one reorder per step, as upstream's loop does
         assert patched["fired"] == {ACTION: NEW_TOKENS}
     else:
         assert patched["fired"] == {}
@@ -198,7 +195,7 @@ def test_beam_sampling_with_the_overlay_is_the_uncached_one():
             torch.manual_seed(5)
             runs[state] = _beam_search(model, 2, do_sample=True, use_cache=use_cache)["ids"]
     assert runs["patched"] == runs["reference"]
-    assert (runs["stock"] != runs["reference"]) == AFFECTED
+    assert (runs["stock"] != runs["reference"]) == PATCH.affected
 
 
 def test_threads_beam_searching_one_model_keep_their_own_cache():

@@ -28,10 +28,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("chunked_attention_left_padding")
 PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
-PATCH_ID = PATCH.id
-TRANSFORMERS_VERSION = PATCH.transformers
-AFFECTED = PATCH.affected
-FIXED_UPSTREAM = PATCH.fixed_upstream
 ACTION = PATCH.patch_module.ACTION
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,13 +59,13 @@ def test_the_caller_the_patch_reads_is_the_installed_code():
     with overlay.reverted():
         caller = fingerprint(_masking_utils().create_chunked_causal_mask)
     callers = {variant["caller"] for variant in target.originals.values()}
-    assert (caller in callers) == AFFECTED
+    assert (caller in callers) == PATCH.affected
 
 
 def test_replacement_keeps_name_docstring_and_signature():
     target = PATCH.patch.targets[0]
     stock = PATCH.stock()
-    if not AFFECTED:
+    if not PATCH.affected:
         # 4.56+: create_chunked_causal_mask is other code than the one the replacement reads.
         variant = next(iter(target.originals.values()))
         with pytest.raises(ValueError, match="not the code this patch reads"):
@@ -88,7 +84,7 @@ def _stock_with(**names):
     return types.FunctionType(stock.__code__, {**stock.__globals__, **names}, stock.__name__)
 
 
-@pytest.mark.skipif(not AFFECTED, reason="the builder's checks are of 4.55.x's code")
+@pytest.mark.skipif(not PATCH.affected, reason="the builder's checks are of 4.55.x's code")
 def test_the_replacement_refuses_a_caller_or_torch_it_cannot_read():
     target = PATCH.patch.targets[0]
     variant = target.variant_of(PATCH.stock())
@@ -107,13 +103,13 @@ def test_engine_status_and_what_is_in_force():
     with overlay.reverted():
         before = vars(module)["chunked_causal_mask_function"]
         with PATCH.applied() as statuses:
-            status = statuses[PATCH_ID]
+            status = statuses[PATCH.id]
             during = vars(module)["chunked_causal_mask_function"]
         after = vars(module)["chunked_causal_mask_function"]
     assert after is before, "the revert puts the very same function back"
-    if AFFECTED:
+    if PATCH.affected:
         assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
+        assert getattr(during, PATCH_MARKER, None) == PATCH.id
         assert during.__wrapped__ is before
     else:
         assert status.state == "fixed upstream", status.reason
@@ -168,7 +164,7 @@ def _runs_of(model, batch, cache: str, new_tokens: int) -> dict:
     with PATCH.applied():
         report.reset()
         record["patched"] = _attempt(lambda: _new_ids(model, batch, cache, new_tokens))
-        record["fired"] = report.fired_actions().get(PATCH_ID, {})
+        record["fired"] = report.fired_actions().get(PATCH.id, {})
     return record
 
 
@@ -182,7 +178,7 @@ def _stock_fails_by_itself(run: dict) -> bool:
     """Whether stock failed there (never on the patch's releases): the overlay must fail the same way."""
     if not isinstance(run["stock"], str):
         return False
-    assert not AFFECTED and run["stock"] == STOCK_STATIC_MASK_CRASH, run["stock"]
+    assert not PATCH.affected and run["stock"] == STOCK_STATIC_MASK_CRASH, run["stock"]
     assert run["patched"] == run["stock"] and run["fired"] == {}, run
     return True
 
@@ -215,7 +211,7 @@ def test_padded_row_on_stock_transformers(runs, attention, cache):
     if _stock_fails_by_itself(run):
         return
     assert run["stock"][0] == run["alone"][0], "the row without padding is right on every release"
-    if AFFECTED:
+    if PATCH.affected:
         assert run["stock"][1] != run["alone"][1], "4.55.x: the padded row's chunks start 4 tokens early"
     else:
         assert run["stock"][1] == run["alone"][1], "4.56+: chunks counted from each row's first token"
@@ -227,7 +223,7 @@ def test_padded_row_with_the_overlay_generates_what_it_generates_alone(runs, att
     if _stock_fails_by_itself(run):
         return
     assert run["patched"] == run["alone"]
-    if not AFFECTED:
+    if not PATCH.affected:
         assert run["patched"] == run["stock"]
 
 
@@ -253,7 +249,7 @@ def test_what_the_patch_reports(runs, attention, cache):
     run = runs[attention, cache]["padded"]
     if _stock_fails_by_itself(run):
         return
-    if AFFECTED:
+    if PATCH.affected:
         # One chunked mask per step (the prompt, then one per new token but the last); with a static
         # cache generate() builds it ahead and the forward reuses it.
         assert run["fired"] == {ACTION: MAX_NEW_TOKENS}
@@ -285,7 +281,7 @@ def test_a_model_without_chunked_attention_never_runs_it():
                 ids = {cache: _attempt(lambda: _new_ids(model, batch, cache, MAX_NEW_TOKENS)) for cache in CACHES}
             calls[name] = spy.call_count
             if name == "llama":
-                patched, fired = ids, report.fired_actions().get(PATCH_ID, {})
+                patched, fired = ids, report.fired_actions().get(PATCH.id, {})
     assert calls["llama"] == 0 and fired == {}
     assert patched == stock
     assert calls["llama4"] > 0
@@ -365,7 +361,7 @@ def test_masks_count_chunks_from_each_row_first_token(uncompiled_block_masks, at
     from overlay.testing.models import left_padded_batch
 
     if not _takes_input_embeds():
-        pytest.skip(f"transformers {TRANSFORMERS_VERSION}: create_chunked_causal_mask takes other arguments")
+        pytest.skip(f"transformers {PATCH.transformers}: create_chunked_causal_mask takes other arguments")
     attention_mask = left_padded_batch(PADDED, seed=0)["attention_mask"]
     positions = torch.arange(attention_mask.shape[1])
     expected = _expected_mask(attention_mask, positions if step == "prompt" else positions[-1:], attention_mask.shape[1])
@@ -375,7 +371,7 @@ def test_masks_count_chunks_from_each_row_first_token(uncompiled_block_masks, at
         patched = _chunked_mask(attention, attention_mask, step)
     assert torch.equal(patched, expected)
     assert torch.equal(stock[0], expected[0]), "the row without padding: the same on every release"
-    assert torch.equal(stock[1], expected[1]) == (not AFFECTED)
+    assert torch.equal(stock[1], expected[1]) == (not PATCH.affected)
 
 
 @MASK_CASES
@@ -385,7 +381,7 @@ def test_masks_without_padding_are_the_release_masks(uncompiled_block_masks, att
     from overlay.testing.models import left_padded_batch
 
     if not _takes_input_embeds():
-        pytest.skip(f"transformers {TRANSFORMERS_VERSION}: create_chunked_causal_mask takes other arguments")
+        pytest.skip(f"transformers {PATCH.transformers}: create_chunked_causal_mask takes other arguments")
     attention_mask = left_padded_batch(UNPADDED, seed=1)["attention_mask"]
     with overlay.reverted():
         stock = _chunked_mask(attention, attention_mask, step)
@@ -394,7 +390,7 @@ def test_masks_without_padding_are_the_release_masks(uncompiled_block_masks, att
     assert torch.equal(patched, stock)
 
 
-@pytest.mark.skipif(not AFFECTED, reason="4.56+ call chunked_causal_mask_function with the left padding")
+@pytest.mark.skipif(not PATCH.affected, reason="4.56+ call chunked_causal_mask_function with the left padding")
 def test_other_callers_and_compiled_regions_get_the_release_function(monkeypatch):
     """Called by hand (no caller to read) or while torch.compile traces, the replacement gives what
     the release's function gives, and reports nothing."""
@@ -417,7 +413,7 @@ def test_other_callers_and_compiled_regions_get_the_release_function(monkeypatch
         with monkeypatch.context() as tracing:
             tracing.setattr(torch.compiler, "is_compiling", lambda: True)
             compiling = _chunked_mask("sdpa", attention_mask, "prompt")
-        fired = report.fired_actions().get(PATCH_ID, {})
+        fired = report.fired_actions().get(PATCH.id, {})
     assert torch.equal(by_hand, stock_by_hand)
     assert torch.equal(compiling, stock)
     assert fired == {}

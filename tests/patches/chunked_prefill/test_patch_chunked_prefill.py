@@ -55,26 +55,22 @@ from overlay.testing.harness import (
 
 PATCH = PatchUnderTest("chunked_prefill")
 PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
-PATCH_ID = PATCH.id
-TRANSFORMERS_VERSION = PATCH.transformers
-AFFECTED = PATCH.affected
-FIXED_UPSTREAM = PATCH.fixed_upstream
 #: 4.55.0 - 5.2.0: the bugs of a chunked prefill onto an empty cache, which this module proves;
 #: 5.3.0 fixed them upstream. The patch goes on to 5.20.2 for a cache that already holds tokens
 #: (tests/patches/chunked_prefill/test_patch_chunked_prefill_kept_cache.py); onto an empty cache it runs stock's code there.
-EMPTY_CACHE_BUGS = AFFECTED and TRANSFORMERS_VERSION < Version("5.3.0")
+EMPTY_CACHE_BUGS = PATCH.affected and PATCH.transformers < Version("5.3.0")
 #: 5.0.0rc1 - 5.2.0 (``_prefill``): the chunked branch leaves decoding one position late.
-DECODES_ONE_LATE = EMPTY_CACHE_BUGS and TRANSFORMERS_VERSION >= Version("5.0.0rc1")
+DECODES_ONE_LATE = EMPTY_CACHE_BUGS and PATCH.transformers >= Version("5.0.0rc1")
 #: 4.55.0 - 5.0.0rc2: every chunk's position ids are ``arange`` for every row (issue 43082).
-CHUNKS_IGNORE_PADDING = AFFECTED and TRANSFORMERS_VERSION < Version("5.0.0rc3")
+CHUNKS_IGNORE_PADDING = PATCH.affected and PATCH.transformers < Version("5.0.0rc3")
 #: 5.0.0 (and its release candidates) prepares no cache for the default cache_implementation.
-NO_DEFAULT_CACHE = DECODES_ONE_LATE and TRANSFORMERS_VERSION < Version("5.1.0")
+NO_DEFAULT_CACHE = DECODES_ONE_LATE and PATCH.transformers < Version("5.1.0")
 #: From 5.2.0 generate() prepares position ids for the whole prompt before the prefill, and the
 #: chunked branch hands them whole to every chunk (each keeps the last len(chunk) of them).
-WHOLE_PROMPT_POSITION_IDS = EMPTY_CACHE_BUGS and TRANSFORMERS_VERSION >= Version("5.2.0")
+WHOLE_PROMPT_POSITION_IDS = EMPTY_CACHE_BUGS and PATCH.transformers >= Version("5.2.0")
 #: 5.0.0rc1 on chunk the whole prompt, in greedy and beam search alike; 4.55 - 4.57 chunk all
 #: but its last token (the decoding loop's first step runs that one), in greedy search only.
-CHUNKS_THE_WHOLE_PROMPT = TRANSFORMERS_VERSION >= Version("5.0.0rc1")
+CHUNKS_THE_WHOLE_PROMPT = PATCH.transformers >= Version("5.0.0rc1")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,13 +110,13 @@ def test_fingerprint_of_installed_code_is_known_with_the_right_label():
     ]
     ((target, func),) = present
     digest = fingerprint(func)
-    if AFFECTED:
+    if PATCH.affected:
         assert digest in target.originals
         label = target.originals[digest].label
     else:
-        assert FIXED_UPSTREAM and digest in target.fixed
+        assert PATCH.fixed_upstream and digest in target.fixed
         label = target.fixed[digest]
-    assert label_names(label, TRANSFORMERS_VERSION), label
+    assert label_names(label, PATCH.transformers), label
 
 
 def test_declared_labels_agree_with_the_version_range():
@@ -145,7 +141,7 @@ def test_declared_errors_are_the_ones_stock_raises_here(runs):
 
 
 def test_replacement_keeps_signature_docstring_and_wraps_the_original():
-    if not AFFECTED:
+    if not PATCH.affected:
         pytest.skip("the replacements are built for the originals 4.55.0 - 5.2.0 only")
     ((target, original),) = PATCH.present_targets()
     replacement = target.build(original)
@@ -196,7 +192,7 @@ def _generate(model, batch, max_new_tokens=MAX_NEW_TOKENS, **kwargs) -> dict:
         hook.remove()
     result["positions"] = positions
     result["position_ids"] = position_ids
-    result["fired"] = report.fired_actions().get(PATCH_ID, {})
+    result["fired"] = report.fired_actions().get(PATCH.id, {})
     return result
 
 
@@ -236,7 +232,7 @@ def runs():
 
     results: dict = {}
     with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
+        status = statuses[PATCH.id]
         results["status"] = {"state": status.state, "variants": list(status.variants)}
     for kind in MODELS:
         model = tiny_model(kind)
@@ -471,7 +467,7 @@ def test_padded_batch_on_stock_transformers(padded_runs, kind, cache):
         assert_same_generation(chunked, reference)
     else:
         pytest.skip(
-            f"transformers {TRANSFORMERS_VERSION}: the chunks' position ids follow the padding (5.0.0rc3 on); "
+            f"transformers {PATCH.transformers}: the chunks' position ids follow the padding (5.0.0rc3 on); "
             "this release's own chunked-prefill bug: test_chunked_prefill_on_stock_transformers"
         )
 

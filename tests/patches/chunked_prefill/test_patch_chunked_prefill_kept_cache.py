@@ -31,22 +31,18 @@ from overlay.testing.harness import PatchUnderTest, assert_bit_for_bit, assert_s
 
 PATCH = PatchUnderTest("chunked_prefill")
 PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
-PATCH_ID = PATCH.id
-TRANSFORMERS_VERSION = PATCH.transformers
-AFFECTED = PATCH.affected
-FIXED_UPSTREAM = PATCH.fixed_upstream
 #: 5.3.0 on slice the prompt after the cache's length only when the mask is as long as the prompt:
 #: a prompt of the new tokens only is theirs to take; up to 5.2.0 the prompt is the whole sequence.
-TAKES_NEW_TOKENS_ONLY = TRANSFORMERS_VERSION >= Version("5.3.0")
+TAKES_NEW_TOKENS_ONLY = PATCH.transformers >= Version("5.3.0")
 #: 5.3.0 on, a chunked prefill onto an empty cache is right on stock (tests/patches/chunked_prefill/test_patch_chunked_prefill.py).
-EMPTY_CACHE_RIGHT_ON_STOCK = TRANSFORMERS_VERSION >= Version("5.3.0")
+EMPTY_CACHE_RIGHT_ON_STOCK = PATCH.transformers >= Version("5.3.0")
 #: Up to 5.3.0 the chunks get their own cache_position (from 0 on stock): a static layer writes
 #: there, over the prefix; from 5.4.0 it writes after what it holds.
-STATIC_WRITES_AT_CACHE_POSITION = TRANSFORMERS_VERSION < Version("5.4.0")
+STATIC_WRITES_AT_CACHE_POSITION = PATCH.transformers < Version("5.4.0")
 #: 4.56.0 on, a sliding static layer counts what it was given (``cumulative_length``).
-SLIDING_LAYER_COUNTS = TRANSFORMERS_VERSION >= Version("4.56.0")
+SLIDING_LAYER_COUNTS = PATCH.transformers >= Version("4.56.0")
 #: 4.55 - 4.57 leave the last prompt token to the decoding loop; 5.0.0rc1 on chunk the whole prompt.
-CHUNKS_THE_WHOLE_PROMPT = TRANSFORMERS_VERSION >= Version("5.0.0rc1")
+CHUNKS_THE_WHOLE_PROMPT = PATCH.transformers >= Version("5.0.0rc1")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,7 +134,7 @@ def _generate(model, batch, prompt: str, cache, **kwargs) -> dict:
     finally:
         hook.remove()
     result["forwards"] = forwards
-    result["fired"] = report.fired_actions().get(PATCH_ID, {})
+    result["fired"] = report.fired_actions().get(PATCH.id, {})
     return result
 
 
@@ -152,7 +148,7 @@ def runs():
 
     results: dict = {}
     with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
+        status = statuses[PATCH.id]
         results["status"] = {"state": status.state, "variants": list(status.variants)}
     prompts = PROMPTS if TAKES_NEW_TOKENS_ONLY else PROMPTS[:1]
     for kind in MODELS:
@@ -190,7 +186,7 @@ ALL = pytest.mark.parametrize("kind,batch,cache,prompt", CASES)
 def _record(runs, kind, batch, cache, prompt) -> dict:
     if prompt not in runs[kind][batch][cache]:
         pytest.skip(
-            f"transformers {TRANSFORMERS_VERSION}: up to 5.2.0 generate() with a cache takes the whole sequence as "
+            f"transformers {PATCH.transformers}: up to 5.2.0 generate() with a cache takes the whole sequence as "
             "the prompt (without chunking too)"
         )
     return runs[kind][batch][cache][prompt]
@@ -236,7 +232,7 @@ def test_kept_cache_on_stock_transformers(runs, kind, batch, cache, prompt):
     record = _record(runs, kind, batch, cache, prompt)
     chunked, reference = record["stock"]["chunked"], record["stock"]["reference"]
     assert chunked["ok"], chunked.get("error")
-    if not AFFECTED:  # 5.21.0 on: the chunks start after what the cache holds
+    if not PATCH.affected:  # 5.21.0 on: the chunks start after what the cache holds
         assert_same_generation(chunked, reference)
         assert chunked["length"] == REFERENCE_LENGTH
         assert _prefill_positions(chunked) == _prefill_positions(reference)
@@ -265,7 +261,7 @@ def test_kept_cache_with_the_overlay_equals_the_unchunked_run(runs, kind, batch,
     assert _prefill_positions(chunked) == _prefill_positions(reference)
     # Decoding: the same positions as after the unchunked prefill.
     assert chunked["forwards"][-(NEW_TOKENS - 1):] == reference["forwards"][-(NEW_TOKENS - 1):]
-    if not AFFECTED:
+    if not PATCH.affected:
         assert_bit_for_bit(chunked, record["stock"]["chunked"], "length", "forwards")
 
 
@@ -275,13 +271,13 @@ def test_what_the_patch_reports(runs, kind, batch, cache, prompt):
     record = _record(runs, kind, batch, cache, prompt)
     assert record["stock"]["chunked"]["fired"] == {}
     fired = record["patched"]["chunked"]["fired"]
-    if not AFFECTED:
+    if not PATCH.affected:
         assert fired == {}
         return
     expected = {module.KEPT_CACHE: 1}
-    if TRANSFORMERS_VERSION < Version("5.0.0rc3"):  # the chunk loop runs in the overlay, with a mask
+    if PATCH.transformers < Version("5.0.0rc3"):  # the chunk loop runs in the overlay, with a mask
         expected[module.MASK_POSITION_IDS] = 1
-    if CHUNKS_THE_WHOLE_PROMPT and TRANSFORMERS_VERSION < Version("5.3.0"):
+    if CHUNKS_THE_WHOLE_PROMPT and PATCH.transformers < Version("5.3.0"):
         expected[module.CORRECTED_POSITION] = 1
     assert fired == expected
 
@@ -292,7 +288,7 @@ def test_an_empty_cache_is_stock_where_stock_is_right(runs, kind, batch, cache):
     release's code (up to 5.2.0 it is the other bugs' case: tests/patches/chunked_prefill/test_patch_chunked_prefill.py)."""
     record = runs[kind][batch][cache]["empty"]
     if not EMPTY_CACHE_RIGHT_ON_STOCK:
-        pytest.skip(f"transformers {TRANSFORMERS_VERSION}: stock's chunked prefill onto an empty cache has this "
+        pytest.skip(f"transformers {PATCH.transformers}: stock's chunked prefill onto an empty cache has this "
                     "release's other bugs (tests/patches/chunked_prefill/test_patch_chunked_prefill.py)")
     assert_bit_for_bit(record["patched"], record["stock"], "length", "forwards")
     assert record["patched"]["fired"] == {}

@@ -28,8 +28,6 @@ from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("decoder_text_config_layers")
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,11 +104,11 @@ def test_engine_status():
 
     config_class = getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig
     with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
+        status = statuses[PATCH.id]
         during = config_class.get_text_config
-    if AFFECTED:
+    if PATCH.affected:
         assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
+        assert getattr(during, PATCH_MARKER, None) == PATCH.id
     else:
         assert status.state == "out of range", status.reason
     assert not hasattr(config_class.get_text_config, PATCH_MARKER)
@@ -121,7 +119,7 @@ def _stock_raises(depth: str, mode: str) -> bool:
         return False
     if CACHES_READ_THE_WHOLE_CONFIG:
         return True
-    if not AFFECTED:
+    if not PATCH.affected:
         return False
     return mode == "static cache" or not MODEL_GROWS_THE_DEFAULT_CACHE
 
@@ -158,7 +156,7 @@ def test_bart_deeper_decoder_fails_on_4_56_as_stock():
     )
     model = BartForConditionalGeneration(config).eval()
     with PATCH.applied() as statuses:
-        assert statuses[PATCH_ID].state == "out of range"
+        assert statuses[PATCH.id].state == "out of range"
         assert _generate(model) == {"error": f"IndexError: {INDEX_ERROR}"}
 
 
@@ -174,7 +172,7 @@ def test_decoder_text_config_and_the_model_config():
     config = T5Config(num_layers=2, num_decoder_layers=3)
     with PATCH.applied():
         both = config.get_text_config()
-        if AFFECTED:
+        if PATCH.affected:
             decoder = config.get_text_config(decoder=True)
             encoder = config.get_text_config(encoder=True)
             assert decoder is not config and decoder.num_hidden_layers == 3
@@ -202,8 +200,8 @@ def test_report_counts_what_it_changed():
     report.reset()
     with PATCH.applied():
         _generate(_t5(2, 2))
-        equal = report.fired().get(PATCH_ID, 0)
+        equal = report.fired().get(PATCH.id, 0)
         _generate(_t5(2, 3))
-        deeper = report.fired().get(PATCH_ID, 0)
+        deeper = report.fired().get(PATCH.id, 0)
     assert equal == 0
-    assert (deeper > 0) == AFFECTED
+    assert (deeper > 0) == PATCH.affected

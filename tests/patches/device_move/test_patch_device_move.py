@@ -30,8 +30,6 @@ from overlay.testing.harness import PatchUnderTest, assert_generated, run_json_w
 
 PATCH = PatchUnderTest("device_move")
 PATCH.skip_module_unless_covered()  # before 5.13.0 prepare_inputs_for_generation moves nothing
-PATCH_ID = PATCH.id
-TRANSFORMERS_VERSION = PATCH.transformers
 WORKER_TIMEOUT_S = 900  # imports, a first build of the fake device (about a minute), 40 tiny generations
 RESULT_MARKER = "DEVICE_MOVE_RESULT="
 MODELS = ("gemma3", "qwen3", "llama")
@@ -42,8 +40,6 @@ def _patch():
     return PATCH.patch
 
 
-AFFECTED = PATCH.affected
-FIXED_UPSTREAM = PATCH.fixed_upstream
 
 
 def stock_fails(model: str) -> bool:
@@ -53,9 +49,9 @@ def stock_fails(model: str) -> bool:
     mask tensor (top-level, so moved) when a config has one layer type, and the dict only from
     5.14.0 on. Gemma 3 here mixes sliding and full layers: a dict on every affected release.
     """
-    if not AFFECTED:
+    if not PATCH.affected:
         return False
-    return model != "qwen3" or TRANSFORMERS_VERSION >= Version("5.14.0")
+    return model != "qwen3" or PATCH.transformers >= Version("5.14.0")
 
 
 def mismatch_error(device: str) -> str:
@@ -273,7 +269,7 @@ def test_model_overriding_prepare_inputs_and_calling_super(matrix):
     assert override["super_calls_patched"] > 0
     patched = override["patched"]
     assert_generated(patched, matrix["runs"]["gemma3"]["cpu"])
-    if AFFECTED:
+    if PATCH.affected:
         assert not override["stock"]["ok"]
         assert mismatch_error(matrix["device"]) in override["stock"]["error"]
     else:
@@ -364,8 +360,8 @@ def _worker(device_spec: str) -> dict:
         finally:
             hook.remove()
         # Steps in which the patch moved something (overlay.report, counted on its slow path only).
-        result["fired"] = report.fired().get(PATCH_ID, 0)
-        result["actions"] = sorted(report.fired_actions().get(PATCH_ID, {}))
+        result["fired"] = report.fired().get(PATCH.id, 0)
+        result["actions"] = sorted(report.fired_actions().get(PATCH.id, {}))
         return result
 
     cases = {
@@ -381,7 +377,7 @@ def _worker(device_spec: str) -> dict:
     @contextlib.contextmanager
     def overlay_applied():
         with PATCH.applied() as statuses:
-            yield statuses[PATCH_ID]
+            yield statuses[PATCH.id]
 
     @contextlib.contextmanager
     def wrapped_by_hand():

@@ -31,10 +31,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("dynamic_cache_reset")
 PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
-PATCH_ID = PATCH.id
-TRANSFORMERS_VERSION = PATCH.transformers
-AFFECTED = PATCH.affected
-FIXED_UPSTREAM = PATCH.fixed_upstream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,11 +45,11 @@ EMPTY_POSITIONS_ERROR = PATCH.error("index -1")
 NEVER_WRITTEN_ERROR = PATCH.error("zero_")
 #: Up to 5.2.0 generate() reads the last cache position left for the prompt: none is left when
 #: the stale length is at least the prompt's.
-RAISES_ON_EMPTY_POSITIONS = AFFECTED and TRANSFORMERS_VERSION < Version("5.3.0")
+RAISES_ON_EMPTY_POSITIONS = PATCH.affected and PATCH.transformers < Version("5.3.0")
 #: 4.55's layers have no lazy initialisation: the release's reset() zeroes ``None`` there.
-RESET_FAILS_WHEN_NEVER_WRITTEN = AFFECTED and TRANSFORMERS_VERSION < Version("4.56.0")
+RESET_FAILS_WHEN_NEVER_WRITTEN = PATCH.affected and PATCH.transformers < Version("4.56.0")
 #: 4.55's layers are emptied in place instead of dropped (see the patch's docstring).
-KEEPS_EMPTY_TENSORS = AFFECTED and TRANSFORMERS_VERSION < Version("4.56.0")
+KEEPS_EMPTY_TENSORS = PATCH.affected and PATCH.transformers < Version("4.56.0")
 LAYER_ACTION = "emptied a reset dynamic cache layer"
 INDEXER_ACTION = "emptied a reset indexer key cache"
 
@@ -78,14 +74,14 @@ def test_engine_status_and_where_the_replacement_goes():
     from transformers import cache_utils
 
     inherited = "reset" not in vars(cache_utils.DynamicLayer)
-    assert inherited == AFFECTED, "the dynamic layers inherit the static layers' reset() up to 5.17.0"
+    assert inherited == PATCH.affected, "the dynamic layers inherit the static layers' reset() up to 5.17.0"
     with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
+        status = statuses[PATCH.id]
         during = vars(cache_utils.DynamicLayer).get("reset")
         static_reset = cache_utils.StaticLayer.reset
-    if AFFECTED:
+    if PATCH.affected:
         assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
+        assert getattr(during, PATCH_MARKER, None) == PATCH.id
         # The static layers keep zeroing their fixed-size buffers (right for them).
         assert not hasattr(static_reset, PATCH_MARKER)
         assert "reset" not in vars(cache_utils.DynamicLayer), "the revert deletes the replacement again"
@@ -134,7 +130,7 @@ def _reused(model, first, second) -> dict:
     placement = [(str(layer.keys.dtype), str(layer.keys.device)) for layer in _dynamic_layers(cache)]
     report.reset()
     cache.reset()
-    run["fired"] = report.fired_actions().get(PATCH_ID, {})
+    run["fired"] = report.fired_actions().get(PATCH.id, {})
     run["after"] = int(cache.get_seq_length())
     run["layers after"] = [int(layer.get_seq_length()) for layer in _dynamic_layers(cache)]
     # What each layer holds after reset(): nothing (None), or (elements, dtype, device) and
@@ -205,7 +201,7 @@ def test_reused_cache_on_stock_transformers(runs, kind, prompt):
     reference = record["second reference"][prompt]
     assert reference["ok"], reference
     assert stock["first"] == record["first reference"], "the first call uses a fresh cache"
-    if not AFFECTED:
+    if not PATCH.affected:
         assert stock["second"] == reference, "5.18.0+: a reset cache is a fresh one"
         assert stock["after"] == 0
         return
@@ -228,7 +224,7 @@ def test_what_stock_does_with_full_attention_layers(runs, prompt):
     docs/upstream-fixes.md (other ids, no error)."""
     stock = runs["llama"][prompt]["stock"]
     reference = runs["llama"]["second reference"][prompt]
-    if not AFFECTED:
+    if not PATCH.affected:
         assert stock["second"] == reference
         return
     assert stock["before"] > 0 and stock["after"] == stock["before"], "reset() keeps the old length"
@@ -260,7 +256,7 @@ def test_reused_cache_with_the_overlay_is_a_fresh_cache(runs, kind, prompt):
 @CASES
 def test_what_the_patch_reports(runs, kind, prompt):
     patched = runs[kind][prompt]["patched"]
-    if AFFECTED:
+    if PATCH.affected:
         # One count per dynamic layer that held states (T5: the self- and cross-attention ones).
         assert patched["fired"] == {LAYER_ACTION: len(patched["layers after"])}
     else:
@@ -308,7 +304,7 @@ def static_runs():
                 report.reset()
                 cache.reset()
                 results[kind][state] = {
-                    "fired": report.fired_actions().get(PATCH_ID, {}),
+                    "fired": report.fired_actions().get(PATCH.id, {}),
                     "second": _generate(model, second, cache),
                 }
     return results
@@ -361,7 +357,7 @@ def test_a_dynamic_layer_defined_elsewhere_keeps_the_release_reset():
     # The release's own dynamic layer, reset with the overlay, holds exactly a fresh layer's states.
     for got, expected in zip(known["used"], known["fresh"]):
         assert torch.equal(got, expected)
-    if AFFECTED:  # and stock's held 5 stale positions before the new 3
+    if PATCH.affected:  # and stock's held 5 stale positions before the new 3
         assert stock["used"][0].shape[-2] == 5 + 3
 
 
@@ -382,7 +378,7 @@ def _indexed_layer_after_reset() -> dict:
     write(used, 5, seed=0)
     report.reset()
     used.reset()
-    fired = report.fired_actions().get(PATCH_ID, {})
+    fired = report.fired_actions().get(PATCH.id, {})
     write(used, 3, seed=1)
     write(fresh, 3, seed=1)
     return {
@@ -396,12 +392,12 @@ def test_indexed_layer_starts_its_indexer_keys_afresh():
     from transformers import cache_utils
 
     if not hasattr(cache_utils, "DynamicIndexedLayer"):
-        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no DynamicIndexedLayer (5.11.0 on)")
+        pytest.skip(f"transformers {PATCH.transformers} has no DynamicIndexedLayer (5.11.0 on)")
     with overlay.reverted():
         stock = _indexed_layer_after_reset()
     with PATCH.applied():
         patched = _indexed_layer_after_reset()
-    if AFFECTED:
+    if PATCH.affected:
         assert stock["lengths"] == (5 + 3, 5 + 3) and not stock["as fresh"], stock
         fired = {LAYER_ACTION: 1, INDEXER_ACTION: 1}
     else:

@@ -27,8 +27,6 @@ from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("encoder_decoder_cache_depth")
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,11 +142,11 @@ def test_engine_status():
 
     classes = (cache_utils.DynamicCache, cache_utils.StaticCache)
     with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
+        status = statuses[PATCH.id]
         during = [vars(cls)["__init__"] for cls in classes]
-    if AFFECTED:
+    if PATCH.affected:
         assert status.state == "applied", status.reason
-        assert [getattr(init, PATCH_MARKER, None) for init in during] == [PATCH_ID, PATCH_ID]
+        assert [getattr(init, PATCH_MARKER, None) for init in during] == [PATCH.id, PATCH.id]
     elif PATCH.transformers.release < (4, 56):
         assert status.state == "out of range", status.reason
     else:
@@ -160,10 +158,10 @@ def test_layered_with_the_other_patches_of_its_targets():
     """On 4.56 ``StaticCache.__init__`` is static-cache-zero-kv-shared-layers' target too: both apply."""
     with _all_applied() as statuses:
         states = {status.id: status.state for status in statuses}
-    if AFFECTED:
+    if PATCH.affected:
         other = "static-cache-zero-kv-shared-layers"
         disabled = other in os.environ.get("ATTN_OVERLAY_DISABLE", "").split(",")
-        assert states[PATCH_ID] == "applied", states
+        assert states[PATCH.id] == "applied", states
         assert states[other] == ("disabled" if disabled else "applied"), states
 
 
@@ -171,7 +169,7 @@ def test_layered_with_the_other_patches_of_its_targets():
 def test_stock(runs, kind, depth, mode):
     record = runs[kind, depth, mode]
     assert "ids" in record["reference"], record["reference"]
-    if depth == "deeper decoder" and AFFECTED:
+    if depth == "deeper decoder" and PATCH.affected:
         assert record["stock"] == {"error": INDEX_ERROR}, record["stock"]
     elif not (kind == "t5" and depth == "deeper decoder" and T5_DEPTH_IS_THE_OTHER_PATCH):
         assert record["stock"] == record["reference"]
@@ -180,7 +178,7 @@ def test_stock(runs, kind, depth, mode):
 @CASES
 def test_patch_gives_the_reference(runs, kind, depth, mode):
     record = runs[kind, depth, mode]
-    if AFFECTED:
+    if PATCH.affected:
         assert record["patched"] == record["reference"]
     else:
         assert record["patched"] == record["stock"], "not applied here: stock's behaviour"
@@ -221,11 +219,11 @@ def test_a_kept_static_cache_serves_the_next_call(kind, depth):
         second = _generate(model, keep_cache=True, cache_implementation="static")
     assert first == second == reference
     cache = vars(model).get("_cache")
-    if AFFECTED and cache is not None and depth == "deeper decoder":
+    if PATCH.affected and cache is not None and depth == "deeper decoder":
         assert len(cache.self_attention_cache.layers) == len(cache.cross_attention_cache.layers) == 3
 
 
-@pytest.mark.skipif(not AFFECTED, reason="4.56.x only: the stock caches of a shallower decoder")
+@pytest.mark.skipif(not PATCH.affected, reason="4.56.x only: the stock caches of a shallower decoder")
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_a_shallower_decoder_leaves_one_cache_layer_empty(kind):
     """Stock sizes the caches of a 3-encoder, 2-decoder model with 3 layers: the third is never
@@ -240,7 +238,7 @@ def test_a_shallower_decoder_leaves_one_cache_layer_empty(kind):
         assert all(layer.keys is None for layer in half.layers[2:])
 
 
-@pytest.mark.skipif(not AFFECTED, reason="the replacement's choices, on the releases it applies to")
+@pytest.mark.skipif(not PATCH.affected, reason="the replacement's choices, on the releases it applies to")
 def test_only_uniform_plain_caches_of_encoder_decoder_configs_grow():
     import pickle
 
@@ -280,8 +278,8 @@ def test_report_counts_what_it_changed():
     with PATCH.applied():
         _generate(_t5(2, 2))
         _generate(_bart(3, 2), cache_implementation="static")
-        unchanged = report.fired().get(PATCH_ID, 0)
+        unchanged = report.fired().get(PATCH.id, 0)
         _generate(_bart(2, 3))
-        deeper = report.fired().get(PATCH_ID, 0)
+        deeper = report.fired().get(PATCH.id, 0)
     assert unchanged == 0
-    assert (deeper > 0) == AFFECTED
+    assert (deeper > 0) == PATCH.affected

@@ -23,8 +23,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("encoder_repetition_penalty_rows")
 PATCH.skip_module_unless_covered()
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,7 +92,7 @@ def runs():
         with PATCH.applied():
             record["patched"] = _generate(kind, **kwargs)
             record["patched control"] = _generate(kind, control=True, **kwargs)
-            record["fired"] = report.fired().get(PATCH_ID, 0)
+            record["fired"] = report.fired().get(PATCH.id, 0)
     return results
 
 
@@ -111,7 +109,7 @@ def test_stock_penalises_the_wrong_rows(runs, kind, mode):
     record = runs[kind, mode]
     stock, control = record["stock"], record["control"]
     torch.testing.assert_close(stock["scores"][0], control["scores"][0], rtol=0, atol=0)
-    if AFFECTED:
+    if PATCH.affected:
         assert not torch.equal(stock["scores"], control["scores"])
         assert stock["ids"] != control["ids"], "the wrong rows' penalty must change the generated ids"
     else:
@@ -130,7 +128,7 @@ def test_overlay_gives_the_control_run(runs, kind, mode):
     assert record["patched control"]["ids"] == record["control"]["ids"]
     torch.testing.assert_close(record["patched control"]["scores"], record["control"]["scores"], rtol=0, atol=0)
     # One count per generate() call that needed the repeat (the control needs none).
-    assert record["fired"] == (1 if AFFECTED else 0)
+    assert record["fired"] == (1 if PATCH.affected else 0)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"do_sample": True, "top_k": 0}], ids=["greedy", "sampling"])
@@ -144,7 +142,7 @@ def test_one_row_per_prompt_is_stock_bit_for_bit(kwargs):
     report.reset()
     with PATCH.applied():
         patched = _generate("llama", **kwargs)
-        fired = report.fired().get(PATCH_ID, 0)
+        fired = report.fired().get(PATCH.id, 0)
     assert patched["ids"] == stock["ids"]
     torch.testing.assert_close(patched["scores"], stock["scores"], rtol=0, atol=0)
     assert fired == 0
@@ -169,7 +167,7 @@ def test_processor_called_directly():
     torch.testing.assert_close(first, expected, rtol=0, atol=0)
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
     torch.testing.assert_close(two_rows, stock_two_rows, rtol=0, atol=0)
-    if AFFECTED:
+    if PATCH.affected:
         with overlay.reverted():
             stock = Processor(PENALTY, prompts)(None, scores.clone())
         assert not torch.equal(stock, expected)

@@ -35,8 +35,7 @@ from overlay.testing.harness import PatchUnderTest
 PATCH = PatchUnderTest("generation_config_precedence")
 KEYS = PatchUnderTest("generation_config_set_keys")
 PATCH.skip_module_unless_covered()
-AFFECTED = PATCH.affected
-assert KEYS.affected == AFFECTED, "the two halves cover the same releases"
+assert KEYS.affected == PATCH.affected, "the two halves cover the same releases"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,16 +59,16 @@ SEEDS = (0, 1, 2)
 
 def _stock_variant() -> Variant | None:
     target = PATCH.patch.targets[0]
-    return target.variant_of(PATCH.stock()) if AFFECTED else None
+    return target.variant_of(PATCH.stock()) if PATCH.affected else None
 
 
 #: 4.55 - 5.0.0rc1 replace every default-equal value; 5.0.0rc2 only booleans (from the code's variant).
-TAKES_FLAG = AFFECTED and _stock_variant()["takes_model_defaults_flag"]
+TAKES_FLAG = PATCH.affected and _stock_variant()["takes_model_defaults_flag"]
 
 
 def _lost_on_stock(values: dict) -> dict:
     """The caller's values stock replaces by the model's, on the installed release."""
-    if not AFFECTED:
+    if not PATCH.affected:
         return {}
     return {
         key: MODEL_VALUES[key] for key, value in values.items()
@@ -121,7 +120,7 @@ def test_engine_status():
         states = {pid: status.state for pid, status in statuses.items()}
         markers = (getattr(GenerationMixin._prepare_generation_config, PATCH_MARKER, None),
                    getattr(GenerationConfig.__init__, PATCH_MARKER, None))
-    if AFFECTED:
+    if PATCH.affected:
         assert states == {PATCH.id: "applied", KEYS.id: "applied"}
         assert markers == (PATCH.id, KEYS.id)
     else:
@@ -140,7 +139,7 @@ def test_caller_values_on_stock(model, case):
     with overlay.reverted():
         prepared = _prepared(model, GenerationConfig(max_new_tokens=4, **values))
     assert _lost(values, prepared) == _lost_on_stock(values)
-    if AFFECTED:
+    if PATCH.affected:
         assert (_lost(values, prepared) != {}) == (TAKES_FLAG or case in ("do_sample=False", "repetition_penalty=1.0"))
 
 
@@ -181,7 +180,7 @@ def test_what_the_patch_reports(model):
     report.reset()
     with PATCH.applied(KEYS.id):
         _prepared(model, GenerationConfig(max_new_tokens=4, do_sample=False))
-    assert report.fired_actions().get(PATCH.id, {}) == ({ACTION: 1} if AFFECTED else {})
+    assert report.fired_actions().get(PATCH.id, {}) == ({ACTION: 1} if PATCH.affected else {})
 
 
 def test_generate_keyword_arguments_win_with_and_without_the_overlay(model):
@@ -261,7 +260,7 @@ def runs():
 
 
 def test_greedy_through_a_generation_config_on_stock(runs):
-    if AFFECTED:  # sampled: other ids than the greedy ones (on at least one seed, in practice all)
+    if PATCH.affected:  # sampled: other ids than the greedy ones (on at least one seed, in practice all)
         assert any(ids != runs["reference"] for ids in runs["stock"]), runs
     else:
         assert runs["stock"] == [runs["reference"]] * len(SEEDS)
@@ -279,7 +278,7 @@ def test_limits_of_the_record(model):
     from transformers import GenerationConfig
 
     set_keys = KEYS.patch_module.set_keys
-    if not AFFECTED:  # fixed upstream: GenerationConfig.__init__ is not replaced, nothing recorded
+    if not PATCH.affected:  # fixed upstream: GenerationConfig.__init__ is not replaced, nothing recorded
         with PATCH.applied(KEYS.id):
             assert set_keys(GenerationConfig(do_sample=False, max_new_tokens=4)) == frozenset()
         return

@@ -22,7 +22,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("generation_config_set_keys")
 PATCH.skip_module_unless_covered()
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,7 +40,7 @@ def test_engine_status():
     with PATCH.applied() as statuses:
         state = statuses[PATCH.id].state
         marker = getattr(GenerationConfig.__init__, PATCH_MARKER, None)
-    assert (state, marker) == (("applied", PATCH.id) if AFFECTED else ("fixed upstream", None))
+    assert (state, marker) == (("applied", PATCH.id) if PATCH.affected else ("fixed upstream", None))
 
 
 def test_the_record_leaves_the_config_as_stock_builds_it():
@@ -56,14 +55,14 @@ def test_the_record_leaves_the_config_as_stock_builds_it():
     assert patched.to_json_string(use_diff=False) == stock.to_json_string(use_diff=False)
     assert patched.to_dict() == stock.to_dict()
     assert patched == stock and hash(patched) == hash(stock)
-    assert keys == ({"do_sample", "num_beams", "max_new_tokens"} if AFFECTED else frozenset())
+    assert keys == ({"do_sample", "num_beams", "max_new_tokens"} if PATCH.affected else frozenset())
 
 
 def test_what_is_recorded_and_what_is_not():
     from transformers import GenerationConfig
 
     set_keys = PATCH.patch_module.set_keys
-    if not AFFECTED:
+    if not PATCH.affected:
         with PATCH.applied():
             assert set_keys(GenerationConfig(do_sample=False)) == frozenset(), "fixed upstream: nothing recorded"
         return
@@ -97,7 +96,7 @@ def test_an_entry_goes_with_its_config():
     with PATCH.applied():
         config = GenerationConfig(do_sample=False)
         key = id(config)
-        assert (key in registry) == AFFECTED
+        assert (key in registry) == PATCH.affected
         del config
         gc.collect()
     assert key not in registry

@@ -39,30 +39,26 @@ from overlay.patch import Variant
 from overlay.testing.harness import PatchUnderTest, assert_generated, run_json_worker
 
 PATCH = PatchUnderTest("kept_static_cache")
-PATCH_ID = PATCH.id
-TRANSFORMERS_VERSION = PATCH.transformers
 WORKER_TIMEOUT_S = 900  # imports, maybe a first build of the fake device (about a minute), ~75 tiny generations
 RESULT_MARKER = "KEPT_STATIC_CACHE_RESULT="
 MODELS = ("llama", "gemma3")
 MID_PREFILL_MODELS = (*MODELS, "t5")
 MAX_NEW_TOKENS = 5
-AFFECTED = PATCH.affected
-FIXED_UPSTREAM = PATCH.fixed_upstream
 #: 4.55's layers cast the new states to the cache's float32 on write, so SDPA is what fails there.
-DTYPE_ERROR = PATCH.error("Expected query" if TRANSFORMERS_VERSION < Version("4.56") else "(self) Float")
+DTYPE_ERROR = PATCH.error("Expected query" if PATCH.transformers < Version("4.56") else "(self) Float")
 POISON_ERROR = "object has no attribute 'max_batch_size'"
 #: The class the poisoning error names: the cache's first layer (Gemma 3's is a sliding one).
 POISONED_LAYER = {
     "llama": "StaticLayer",
-    "gemma3": "SlidingWindowLayer" if TRANSFORMERS_VERSION < Version("4.57") else "StaticSlidingWindowLayer",
+    "gemma3": "SlidingWindowLayer" if PATCH.transformers < Version("4.57") else "StaticSlidingWindowLayer",
 }
 #: Where each bug is on stock, as observed (the patch covers their union, ``affected``):
 #: the device case from 4.56 (4.55's eagerly allocated layers move themselves to the keys' device
 #: on write), the dtype case everywhere in range, the failed-call poisoning 4.56 - 5.12 (4.55
 #: allocates the cache when it builds it; 5.13's reuse check skips layers never written).
-DEVICE_BUG = AFFECTED and TRANSFORMERS_VERSION >= Version("4.56")
-DTYPE_BUG = AFFECTED
-POISON_BUG = AFFECTED and Version("4.56") <= TRANSFORMERS_VERSION < Version("5.13")
+DEVICE_BUG = PATCH.affected and PATCH.transformers >= Version("4.56")
+DTYPE_BUG = PATCH.affected
+POISON_BUG = PATCH.affected and Version("4.56") <= PATCH.transformers < Version("5.13")
 #: ``kv-cache-dtype`` (another patch) hides the dtype case where it applies (its own range).
 KV_CACHE_DTYPE = PatchUnderTest("kv_cache_dtype").affected
 
@@ -74,7 +70,7 @@ KV_CACHE_DTYPE = PatchUnderTest("kv_cache_dtype").affected
 def test_variant_params_agree_with_where_the_bugs_are():
     # What the replacement is told about this release's code agrees with what stock does here.
     present = PATCH.present_targets()
-    if not AFFECTED:  # fixed upstream: the code is no original of any variant, and stock is fine
+    if not PATCH.affected:  # fixed upstream: the code is no original of any variant, and stock is fine
         assert not (POISON_BUG or DEVICE_BUG or DTYPE_BUG)
         assert all(target.variant_of(func) is None for target, func in present)
         return
@@ -112,7 +108,7 @@ def results(tmp_path_factory):
 
 def test_engine_status(results):
     PATCH.assert_reported(results["status"])
-    if Version("5.13") <= TRANSFORMERS_VERSION < Version("5.15"):
+    if Version("5.13") <= PATCH.transformers < Version("5.15"):
         assert results["status"]["variants"] == ["5.13.0-5.14.1"]
 
 
@@ -122,7 +118,7 @@ def _device_error(results) -> str:
     if results["backend"] == "cpp":
         # 5.4+ layers compute the write positions on the cache's device; before, generate() passes
         # them on the model's.
-        index = "(index) cpu" if TRANSFORMERS_VERSION >= Version("5.4") else "(index) cuda:0"
+        index = "(index) cpu" if PATCH.transformers >= Version("5.4") else "(index) cuda:0"
         return PATCH.error(index).replace("cuda:0", results["device"])
     return "Expected all tensors to be on the same device"
 
@@ -146,7 +142,7 @@ def test_host_run_then_model_to_device_with_the_overlay(results, model, flow):
     run = runs[flow]
     assert_generated(run, runs["host_ids"])
     assert run["cache"] == {"device": results["device"], "dtype": "torch.float32"}
-    if AFFECTED:
+    if PATCH.affected:
         # Also on 4.55, where stock moves the old cache on write: a cache built for the device.
         assert run["fired"] > 0
         assert run["actions"] == [f"rebuilt a kept static cache for {results['device']} / torch.float32"]
@@ -185,7 +181,7 @@ def test_dtype_change_with_the_overlay_rebuilds_in_the_model_dtype(results, mode
     assert run["cache"] == {"device": results["device"], "dtype": "torch.bfloat16"}
     assert "KVCacheDtypeWarning" not in run["warnings"]
     assert run["kv_cache_dtype_fired"] == 0
-    if AFFECTED:
+    if PATCH.affected:
         assert run["fired"] > 0
     else:
         assert run["fired"] == 0
@@ -196,7 +192,7 @@ def test_nothing_changed_reuses_the_same_cache_and_does_not_fire(results, model)
     run = results["runs"][model]["unchanged"]
     assert_generated(run, run["first_ids"])
     assert run["fired"] == 0
-    if AFFECTED:
+    if PATCH.affected:
         assert run["same_cache_object"], "a kept cache that still matches must be reused, as upstream does"
 
 
@@ -241,7 +237,7 @@ def test_failed_then_valid_generate_with_the_overlay(results, model, flow):
         assert run["fired"] == 0
     # The cache the valid call built is whole: the call after it reuses it, untouched.
     assert runs[flow]["valid_again"]["fired"] == 0
-    if AFFECTED:
+    if PATCH.affected:
         assert runs[flow]["valid_again"]["same_cache_object"]
 
 
@@ -269,7 +265,7 @@ def test_failed_mid_prefill_then_valid_generate(results, model):
     )
     # The rebuilt cache is whole: the next call reuses it, untouched (no rebuild on every call).
     assert patched["valid_again"]["fired"] == 0
-    if AFFECTED:
+    if PATCH.affected:
         assert patched["valid_again"]["same_cache_object"]
 
 
@@ -322,9 +318,9 @@ def _worker() -> dict:
                 result = {"ok": False, "type": type(err).__name__, "error": str(err)}
             finally:
                 hook.remove()
-        result["fired"] = report.fired().get(PATCH_ID, 0)
+        result["fired"] = report.fired().get(PATCH.id, 0)
         result["kv_cache_dtype_fired"] = report.fired().get("kv-cache-dtype", 0)
-        result["actions"] = sorted(report.fired_actions().get(PATCH_ID, {}))
+        result["actions"] = sorted(report.fired_actions().get(PATCH.id, {}))
         result["warnings"] = sorted({type(w.message).__name__ for w in caught})
         result["cache"] = cache_placement(caches[-1]) if caches else None
         result["same_cache_object"] = kept is not None and vars(model).get("_cache") is kept
@@ -352,7 +348,7 @@ def _worker() -> dict:
             model = tiny_model(kind)
             if flow == "patched":
                 with patched() as statuses:
-                    status = statuses[PATCH_ID]
+                    status = statuses[PATCH.id]
                     results["status"] = {"state": status.state, "variants": list(status.variants)}
                     generate(model, batch)
                     model.to(device)

@@ -24,8 +24,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("position_ids_advance")
 PATCH.skip_module_unless_covered()
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -111,11 +109,11 @@ def test_engine_status():
     from transformers.generation.utils import GenerationMixin
 
     with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
+        status = statuses[PATCH.id]
         during = GenerationMixin._update_model_kwargs_for_generation
-    if AFFECTED:
+    if PATCH.affected:
         assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
+        assert getattr(during, PATCH_MARKER, None) == PATCH.id
     else:
         assert status.state == "fixed upstream", status.reason
         assert not hasattr(during, PATCH_MARKER)
@@ -128,7 +126,7 @@ def test_stock_feeds_the_last_prompt_position(runs, kind, batch, mode):
     the reference's, or (no cache: the whole sequence against the prompt's positions) it fails."""
     record = runs[kind, batch, mode]
     reference, stock = record["reference"], record["stock"]
-    if not AFFECTED:
+    if not PATCH.affected:
         assert stock == reference, "5.2.0+: passed positions advance"
         return
     prompt_positions = stock["fed"][0]
@@ -162,9 +160,9 @@ def test_report_counts_the_steps_it_advanced():
     report.reset()
     with PATCH.applied():
         _run(model, batch, "greedy", pass_positions=False)
-        without = report.fired().get(PATCH_ID, 0)
+        without = report.fired().get(PATCH.id, 0)
         _run(model, batch, "greedy", pass_positions=True)
-        with_positions = report.fired().get(PATCH_ID, 0)
+        with_positions = report.fired().get(PATCH.id, 0)
     assert without == 0
     # One count per step after the prompt (the last step's update is not used by a forward).
-    assert with_positions == (MAX_NEW_TOKENS if AFFECTED else 0)
+    assert with_positions == (MAX_NEW_TOKENS if PATCH.affected else 0)

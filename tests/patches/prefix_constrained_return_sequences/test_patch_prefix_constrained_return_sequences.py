@@ -28,8 +28,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("prefix_constrained_return_sequences")
 PATCH.skip_module_unless_covered()
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -111,7 +109,7 @@ def runs():
     with PATCH.applied():
         results["patched strict"] = _generate(batch, prefix_allowed_tokens_fn=strict_rule, **SAMPLING)
         results["patched tolerant"] = _generate(batch, prefix_allowed_tokens_fn=tolerant_rule, **SAMPLING)
-        results["fired"] = report.fired().get(PATCH_ID, 0)
+        results["fired"] = report.fired().get(PATCH.id, 0)
     return results
 
 
@@ -128,7 +126,7 @@ def test_stock_raises_or_mixes_the_prompts(runs):
     """Affected: the strict function gets batch id 2 (IndexError); the tolerant one gives prompt
     0's second sample prompt 1's tokens. Fixed release: stock is the control."""
     new = _new(runs["stock tolerant"])
-    if AFFECTED:
+    if PATCH.affected:
         assert isinstance(runs["stock strict"], IndexError), runs["stock strict"]
         assert str(runs["stock strict"]) == INDEX_ERROR
         assert set(new[1]) <= set(RULES[1]), new[1]
@@ -141,7 +139,7 @@ def test_stock_raises_or_mixes_the_prompts(runs):
 def test_overlay_gives_the_control_run(runs):
     assert runs["patched strict"] == runs["control"]
     assert runs["patched tolerant"] == runs["control"]
-    assert runs["fired"] == (2 if AFFECTED else 0)
+    assert runs["fired"] == (2 if PATCH.affected else 0)
 
 
 def test_overlay_gives_each_prompt_alone():
@@ -158,7 +156,7 @@ def test_overlay_gives_each_prompt_alone():
     with PATCH.applied():
         patched = _generate(batch, prefix_allowed_tokens_fn=strict_rule, **kwargs)
     assert patched == alone
-    assert (stock != alone) == AFFECTED
+    assert (stock != alone) == PATCH.affected
 
 
 @pytest.mark.parametrize(
@@ -180,7 +178,7 @@ def test_where_stock_works_the_overlay_is_stock(kwargs):
     report.reset()
     with PATCH.applied():
         patched = _generate(batch, prefix_allowed_tokens_fn=strict_rule, **kwargs)
-        fired = report.fired().get(PATCH_ID, 0)
+        fired = report.fired().get(PATCH.id, 0)
     assert patched == stock
     assert fired == 0
     # Here stock is right: each returned row keeps to its own prompt's rule.
@@ -207,7 +205,7 @@ def test_processor_passed_by_the_caller_is_left_alone(also_the_argument):
     with PATCH.applied():
         theirs = PrefixConstrainedLogitsProcessor(tolerant_rule, 1)
         patched = _generate(batch, logits_processor=LogitsProcessorList([theirs]), **extra, **SAMPLING)
-        fired = report.fired().get(PATCH_ID, 0)
+        fired = report.fired().get(PATCH.id, 0)
     assert patched == stock
     assert theirs._num_beams == 1 and type(theirs) is PrefixConstrainedLogitsProcessor
     assert fired == 0
@@ -229,7 +227,7 @@ def test_built_processor_counts_the_return_sequences():
     assert type(patched_processor) is PrefixConstrainedLogitsProcessor
     assert patched_processor._prefix_allowed_tokens_fn is strict_rule
     assert patched_processor._num_beams == 3
-    assert stock_processor._num_beams == (1 if AFFECTED else 3)
+    assert stock_processor._num_beams == (1 if PATCH.affected else 3)
 
 
 def test_engine_status():
@@ -237,9 +235,9 @@ def test_engine_status():
     import transformers.generation.utils  # noqa: F401
 
     with PATCH.applied() as statuses:
-        state = statuses[PATCH_ID].state
-    assert state == ("applied" if AFFECTED else "fixed upstream")
-    assert PATCH.fixed_upstream == (not AFFECTED)
+        state = statuses[PATCH.id].state
+    assert state == ("applied" if PATCH.affected else "fixed upstream")
+    assert PATCH.fixed_upstream == (not PATCH.affected)
 
 
 def test_with_the_repetition_penalty_padding_patch_both_fixes_hold():
@@ -274,11 +272,11 @@ def test_with_the_repetition_penalty_padding_patch_both_fixes_hold():
         patched = _generate(batch, prefix_allowed_tokens_fn=strict_rule, **kwargs)
     padding_affected = PatchUnderTest("repetition_penalty_padding").affected
     assert states == {
-        PATCH_ID: "applied" if AFFECTED else "fixed upstream",
+        PATCH.id: "applied" if PATCH.affected else "fixed upstream",
         "repetition-penalty-padding": "applied" if padding_affected else "fixed upstream",
     }
     assert _new(patched, lengths[0]) == alone
     # Each bug shows in this batch where its release carries it: stock mixes the prompts, and
     # this patch alone still penalises the padding.
-    assert (_new(stock, lengths[0]) != alone) == (AFFECTED or padding_affected)
+    assert (_new(stock, lengths[0]) != alone) == (PATCH.affected or padding_affected)
     assert (_new(this_patch_only, lengths[0]) != alone) == padding_affected

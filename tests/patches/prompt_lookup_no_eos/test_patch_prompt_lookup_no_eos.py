@@ -28,8 +28,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("prompt_lookup_no_eos")
 PATCH.skip_module_unless_covered()
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,7 +63,7 @@ def _generate(model, batch, **kwargs) -> dict:
         run = {"ok": True, "ids": greedy_ids(model, batch, MAX_NEW_TOKENS, **kwargs)}
     except Exception as exc:  # noqa: BLE001  (the tests read which one)
         run = {"ok": False, "type": type(exc).__name__, "error": str(exc)}
-    run["fired"] = report.fired_actions().get(PATCH_ID, {})
+    run["fired"] = report.fired_actions().get(PATCH.id, {})
     return run
 
 
@@ -128,7 +126,7 @@ def test_the_control_run(runs, kind, prompt):
 def test_prompt_lookup_without_eos_on_stock_transformers(runs, kind, prompt):
     record = runs[kind, False][prompt]
     stock = record["stock"]
-    if AFFECTED:
+    if PATCH.affected:
         assert (stock["ok"], stock.get("type")) == (False, "TypeError"), stock
         assert ISIN_ERROR in stock["error"]
     else:  # 5.13.0+: upstream's fix
@@ -141,7 +139,7 @@ def test_prompt_lookup_without_eos_with_the_overlay(runs, kind, prompt):
     patched = record["patched"]
     assert patched["ok"], patched
     assert patched["ids"] == record["control"]["ids"]
-    if AFFECTED:
+    if PATCH.affected:
         # Each call that found candidates is one stock would have raised in.
         assert set(patched["fired"]) == {ACTION} and patched["fired"][ACTION] >= 1, patched["fired"]
     else:
@@ -185,7 +183,7 @@ def test_candidate_generator_without_eos():
     with PATCH.applied():
         patched = _candidates(None)
     assert patched == {"ok": True, "candidates": [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]], "eos after": None}
-    if AFFECTED:
+    if PATCH.affected:
         assert (stock["ok"], stock["type"]) == (False, "TypeError") and ISIN_ERROR in stock["error"], stock
     else:
         assert stock == patched

@@ -28,8 +28,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("quantized_cache_beam_reorder")
 PATCH.skip_module_unless_covered()
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,14 +57,14 @@ def test_engine_status():
     from transformers import cache_utils
 
     inherited = "reorder_cache" not in vars(cache_utils.QuantizedLayer)
-    assert inherited == AFFECTED, "QuantizedLayer has its own reorder_cache from 5.19.0"
+    assert inherited == PATCH.affected, "QuantizedLayer has its own reorder_cache from 5.19.0"
     with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
+        status = statuses[PATCH.id]
         during = vars(cache_utils.QuantizedLayer).get("reorder_cache")
         mixin = cache_utils.CacheLayerMixin.reorder_cache
-    if AFFECTED:
+    if PATCH.affected:
         assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
+        assert getattr(during, PATCH_MARKER, None) == PATCH.id
         assert not hasattr(mixin, PATCH_MARKER), "the other layers keep theirs"
         assert "reorder_cache" not in vars(cache_utils.QuantizedLayer), "deleted again by the revert"
     else:
@@ -138,7 +136,7 @@ def layer_runs():
         with _state(state):
             report.reset()
             runs[state] = _play(_quantized_layer(2))
-            runs[state]["fired"] = report.fired_actions().get(PATCH_ID, {})
+            runs[state]["fired"] = report.fired_actions().get(PATCH.id, {})
     return runs
 
 
@@ -153,7 +151,7 @@ def _same(run: dict, reference: dict) -> bool:
 def test_layer_on_stock_transformers(layer_runs):
     stock = layer_runs["stock"]
     assert layer_runs["dynamic"]["ok"], layer_runs["dynamic"]
-    if AFFECTED:
+    if PATCH.affected:
         assert (stock["ok"], stock["error"]) == (False, f"IndexError: {INDEX_ERROR}"), stock.get("error")
         assert len(stock["returned"]) == 1, "the first reorder after the prefill"
     else:
@@ -165,7 +163,7 @@ def test_layer_with_the_overlay(layer_runs):
     assert patched["ok"], patched.get("error")
     assert _same(patched, layer_runs["dynamic"]), "the dynamic layer's states, in beam order"
     reorders = sum(1 for what, _ in STEPS if what == "reorder")
-    assert patched["fired"] == ({ACTION: reorders} if AFFECTED else {})
+    assert patched["fired"] == ({ACTION: reorders} if PATCH.affected else {})
 
 
 def test_layer_without_reorders_is_unchanged():
@@ -211,7 +209,7 @@ def test_beam_search_with_a_quantized_cache(num_beams):
     assert control["ok"], control
     for rl in (2, 128):
         assert runs["patched"][rl]["ok"], runs["patched"][rl]
-        if AFFECTED:
+        if PATCH.affected:
             assert runs["stock"][rl] == {"ok": False, "error": f"IndexError: {INDEX_ERROR}"}
         else:
             assert runs["stock"][rl] == runs["patched"][rl]

@@ -29,8 +29,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("quantized_cache_config_copy")
 PATCH.skip_module_unless_covered()
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,7 +104,7 @@ def reused_hqq(model, batch):
             run = {"first": _generate(model, batch, cache_config), "after first": _keys(cache_config)}
             run["second"] = _generate(model, batch, cache_config)
             run["after second"] = _keys(cache_config)
-            run["fired"] = report.fired_actions().get(PATCH_ID, {})
+            run["fired"] = report.fired_actions().get(PATCH.id, {})
         results[state] = run
     return results
 
@@ -118,7 +116,7 @@ def _hqq_missing(run: dict) -> bool:
 def test_reused_dict_on_stock_transformers(reused_hqq):
     stock = reused_hqq["stock"]
     assert _hqq_missing(stock["first"]), stock["first"]
-    if not AFFECTED:  # 5.19.0+: the dict is left alone, the second call asks for hqq again
+    if not PATCH.affected:  # 5.19.0+: the dict is left alone, the second call asks for hqq again
         assert stock["after first"] == stock["after second"] == HQQ
         assert stock["second"] == stock["first"]
         return
@@ -139,7 +137,7 @@ def test_reused_dict_with_the_overlay(reused_hqq):
     assert patched["after first"] == patched["after second"] == HQQ, "the dict as the caller wrote it"
     assert _hqq_missing(patched["first"]) and patched["second"] == patched["first"], "hqq asked both times"
     # As the fixed release does (stock there: the test above).
-    assert patched["fired"] == ({ACTION: 2} if AFFECTED else {})
+    assert patched["fired"] == ({ACTION: 2} if PATCH.affected else {})
 
 
 def test_the_control_run(reused_hqq):
@@ -158,7 +156,7 @@ def test_generate_without_a_quantized_cache_is_unchanged(model, batch):
     for state in ("stock", "patched"):
         with _state(state):
             report.reset()
-            runs[state] = (greedy_ids(model, batch, MAX_NEW_TOKENS), report.fired_actions().get(PATCH_ID, {}))
+            runs[state] = (greedy_ids(model, batch, MAX_NEW_TOKENS), report.fired_actions().get(PATCH.id, {}))
     assert runs["patched"] == runs["stock"] and runs["stock"][1] == {}
 
 
@@ -190,7 +188,7 @@ def test_reused_quanto_dict_for_the_same_and_another_model(model, batch):
     assert patched["after"] == QUANTO
     stock = runs["stock"]
     assert stock["first"] == stock["same"] == control["same"], "the same model: same backend, same config"
-    if AFFECTED:
+    if PATCH.affected:
         # Built from the first model's (two-layer) config.
         assert stock["three layers"] != control["three layers"], stock["three layers"]
         if not stock["three layers"]["ok"]:

@@ -26,8 +26,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("repetition_penalty_padding")
 PATCH.skip_module_unless_covered()
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,7 +122,7 @@ def test_stock_penalises_the_padding(runs, seed, mode):
     record = runs[seed, mode]
     alone = _new_ids(record["alone"]["ids"], 0, SHORT)
     stock = _new_ids(record["stock"]["ids"], 1, LONG)
-    if AFFECTED:
+    if PATCH.affected:
         assert stock != alone, "the padded row must generate other ids on the affected releases"
     else:
         assert stock == alone, "the fixed release leaves the padding out"
@@ -157,7 +155,7 @@ def test_first_step_scores(sampling):
     others = torch.ones_like(alone_scores, dtype=torch.bool)
     others[pad] = False
     torch.testing.assert_close(stock_scores[1][others], alone_scores[others])
-    if AFFECTED:
+    if PATCH.affected:
         raw = unpenalised[1][pad]
         expected = raw * PENALTY if raw < 0 else raw / PENALTY
         torch.testing.assert_close(stock_scores[1][pad], expected)
@@ -178,7 +176,7 @@ def test_batch_without_padding_is_stock_bit_for_bit():
     report.reset()
     with PATCH.applied():
         patched = _generate(batch, PAD_TOKEN_ID, repetition_penalty=PENALTY)
-        fired = report.fired().get(PATCH_ID, 0)
+        fired = report.fired().get(PATCH.id, 0)
     assert patched["ids"] == stock["ids"]
     assert torch.equal(patched["scores"], stock["scores"])
     assert fired == 0
@@ -236,11 +234,11 @@ def test_generate_builds_a_padding_aware_processor_and_reports_it():
             input_ids_seq_length=LONG,
             model_kwargs={"attention_mask": padded["attention_mask"]},
         )
-        after_build = report.fired().get(PATCH_ID, 0)
+        after_build = report.fired().get(PATCH.id, 0)
         _generate(padded, pad, repetition_penalty=PENALTY)
-        after_generate = report.fired().get(PATCH_ID, 0)
+        after_generate = report.fired().get(PATCH.id, 0)
     (processor,) = [p for p in built if isinstance(p, RepetitionPenaltyLogitsProcessor)]
-    if AFFECTED:
+    if PATCH.affected:
         assert type(processor) is not RepetitionPenaltyLogitsProcessor
         assert (after_build, after_generate) == (1, 2)
     else:
@@ -264,4 +262,4 @@ def test_encoder_decoder_reads_the_decoder_mask():
             )
             (processor,) = [p for p in built if isinstance(p, RepetitionPenaltyLogitsProcessor)]
             kinds[name] = type(processor) is RepetitionPenaltyLogitsProcessor
-    assert kinds == {"attention_mask": True, "decoder_attention_mask": not AFFECTED}
+    assert kinds == {"attention_mask": True, "decoder_attention_mask": not PATCH.affected}

@@ -28,10 +28,6 @@ from overlay.patch import PATCH_MARKER, Variant
 from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("static_cache_kv_head_sizes")
-PATCH_ID = PATCH.id
-TRANSFORMERS_VERSION = PATCH.transformers
-AFFECTED = PATCH.affected
-FIXED_UPSTREAM = PATCH.fixed_upstream
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,7 +134,7 @@ def _run(model, batches: dict) -> dict:
         cache = _user_cache(model, rows)
         record[(WAYS[1], prompt)] = _generate(model, batch, **{cache_argument_name(model): cache})
         record[("head sizes", prompt)] = _head_sizes(cache)
-    record["fired"] = report.fired_actions().get(PATCH_ID, {})
+    record["fired"] = report.fired_actions().get(PATCH.id, {})
     return record
 
 
@@ -178,15 +174,15 @@ def test_engine_status_and_where_the_replacement_goes():
 
     stock = vars(cache_utils.StaticLayer)["update"]
     with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
+        status = statuses[PATCH.id]
         during = vars(cache_utils.StaticLayer)["update"]
-    if AFFECTED:
+    if PATCH.affected:
         assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
+        assert getattr(during, PATCH_MARKER, None) == PATCH.id
         assert during.__wrapped__ is stock
     else:
         assert status.state == "fixed upstream", status.reason
-        assert FIXED_UPSTREAM
+        assert PATCH.fixed_upstream
         assert during is stock, "the patch steps aside"
     assert vars(cache_utils.StaticLayer)["update"] is stock, "the revert puts the very same function back"
 
@@ -219,7 +215,7 @@ def test_static_cache_with_other_value_head_size(runs, name, way, prompt):
     reference = record["reference"][prompt]
     stock, patched = record["stock"][(way, prompt)], record["patched"][(way, prompt)]
     assert reference["ok"], reference
-    if AFFECTED:
+    if PATCH.affected:
         assert (stock["ok"], stock.get("type"), stock.get("raised in")) == (False, "RuntimeError", "update"), stock
         assert stock["error"].startswith(SLICE_SHAPES), stock
         assert patched == reference, "the overlay gives the dynamic cache's ids"
@@ -234,7 +230,7 @@ def test_the_buffers_have_the_key_and_value_head_sizes(runs, name, prompt):
     """On the affected releases the user's cache holds keys of 24 and values of 12 per head (stock:
     keys and values of one size, or, on 4.55.x, of ``config.head_dim``)."""
     record = runs[name]
-    if AFFECTED:
+    if PATCH.affected:
         assert record["stock"][("head sizes", prompt)] != record["patched"][("head sizes", prompt)]
         assert record["patched"][("head sizes", prompt)] == [(QK_NOPE + QK_ROPE, V_HEAD)] * NUM_LAYERS
     else:  # what the release stores (later releases may cache DeepSeek's compressed latent instead)
@@ -253,7 +249,7 @@ def test_equal_head_sizes_are_left_as_stock(runs, name, way, prompt):
 def test_what_the_patch_reports(runs):
     for name, record in runs.items():
         assert record["stock"]["fired"] == {}, name
-        if AFFECTED and name in BUG_CASES:
+        if PATCH.affected and name in BUG_CASES:
             # One count per layer of each static cache a run filled (generate's, then the user's).
             assert record["patched"]["fired"] == {ACTION: NUM_LAYERS * len(PROMPTS) * len(WAYS)}, name
         else:
@@ -265,8 +261,8 @@ def test_with_every_patch_of_the_release(runs, name):
     """The whole overlay (``kv-cache-dtype`` may allocate the layer before its ``update``;
     ``kept-static-cache`` wraps the function that builds generate()'s static cache) gives the
     reference's ids too."""
-    if not AFFECTED:
-        pytest.skip(f"{PATCH_ID} is fixed upstream in {TRANSFORMERS_VERSION}: the other patches' tests cover them")
+    if not PATCH.affected:
+        pytest.skip(f"{PATCH.id} is fixed upstream in {PATCH.transformers}: the other patches' tests cover them")
     record = runs[name]
     assert record["all patches"] == record["reference"][COMPOSED_PROMPT]
 
@@ -317,8 +313,8 @@ def test_compiled_decoding_after_an_eager_prefill():
     """generate() compiles the decoding steps, never the prefill: the reallocation happens in the eager
     prefill (one count per layer), and the traced ``update`` (dynamo, eager backend) leaves the
     buffers alone and gives the reference's ids."""
-    if not AFFECTED:
-        pytest.skip(f"{PATCH_ID} is fixed upstream in {TRANSFORMERS_VERSION}")
+    if not PATCH.affected:
+        pytest.skip(f"{PATCH.id} is fixed upstream in {PATCH.transformers}")
     import torch
     from transformers import CompileConfig
 
@@ -337,7 +333,7 @@ def test_compiled_decoding_after_an_eager_prefill():
             report.reset()
             compiled = greedy_ids(model, batch, MAX_NEW_TOKENS, cache_implementation="static",
                                   compile_config=compile_config, disable_compile=False)
-            fired = report.fired_actions().get(PATCH_ID, {})
+            fired = report.fired_actions().get(PATCH.id, {})
     finally:
         torch._dynamo.reset()
     assert compiled == reference

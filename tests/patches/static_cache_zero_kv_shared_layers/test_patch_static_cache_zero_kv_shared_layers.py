@@ -31,11 +31,7 @@ from overlay.patch import PATCH_MARKER, Variant
 from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("static_cache_zero_kv_shared_layers")
-PATCH_ID = PATCH.id
-TRANSFORMERS_VERSION = PATCH.transformers
-AFFECTED = PATCH.affected
-FIXED_UPSTREAM = PATCH.fixed_upstream
-OUT_OF_RANGE = not (AFFECTED or FIXED_UPSTREAM)
+OUT_OF_RANGE = not (PATCH.affected or PATCH.fixed_upstream)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,7 +126,7 @@ def _run(model, batches: dict) -> dict:
         rows = batch["input_ids"].shape[0]
         record[(WAYS[0], prompt)] = _generate(model, batch, cache_implementation="static")
         record[(WAYS[1], prompt)] = _generate(model, batch, **{cache_argument_name(model): _user_cache(model, rows)})
-    record["fired"] = report.fired_actions().get(PATCH_ID, {})
+    record["fired"] = report.fired_actions().get(PATCH.id, {})
     return record
 
 
@@ -173,7 +169,7 @@ def _cases(names):
 def _present(runs, name):
     if name not in runs:
         kind = MODELS[name][1].get("kind", name)
-        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no {kind} (Gemma 4: 5.5.0 on)")
+        pytest.skip(f"transformers {PATCH.transformers} has no {kind} (Gemma 4: 5.5.0 on)")
     return runs[name]
 
 
@@ -185,14 +181,14 @@ def test_engine_status_and_where_the_replacement_goes():
 
     stock = vars(cache_utils.StaticCache)["__init__"]
     with PATCH.applied() as statuses:
-        status = statuses[PATCH_ID]
+        status = statuses[PATCH.id]
         during = vars(cache_utils.StaticCache)["__init__"]
-    if AFFECTED:
+    if PATCH.affected:
         assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH_ID
+        assert getattr(during, PATCH_MARKER, None) == PATCH.id
         assert during.__wrapped__ is stock
     else:
-        assert status.state == ("fixed upstream" if FIXED_UPSTREAM else "out of range"), status.reason
+        assert status.state == ("fixed upstream" if PATCH.fixed_upstream else "out of range"), status.reason
         assert during is stock, "the patch steps aside"
     if OUT_OF_RANGE:  # 4.55.x: the slice is not there, and the engine says so
         assert f"arrived in {PATCH.patch.introduced_in}" in status.reason, status.reason
@@ -220,12 +216,12 @@ def test_static_cache_with_no_shared_layer(runs, name, way, prompt):
     reference = record["reference"][prompt]
     stock, patched = record["stock"][(way, prompt)], record["patched"][(way, prompt)]
     assert reference["ok"], reference
-    if AFFECTED:
+    if PATCH.affected:
         assert (stock["ok"], stock.get("type"), stock.get("error"), stock.get("raised in")) == (
             False, "IndexError", INDEX_ERROR, "update"
         ), stock
         assert patched == reference, "the overlay gives the dynamic cache's ids"
-    elif FIXED_UPSTREAM:
+    elif PATCH.fixed_upstream:
         assert stock == reference, "upstream's fix gives the dynamic cache's ids"
         assert patched == stock
     else:  # 4.55.x: no slice, no bug
@@ -251,7 +247,7 @@ def test_the_cache_has_a_layer_per_layer_type(runs, name):
         else ("StaticLayer", MAX_CACHE_LEN)
         for kind in record["layer types"]
     ]
-    if AFFECTED:
+    if PATCH.affected:
         assert record["stock"]["layers"] == []
         assert record["patched"]["layers"] == expected
     else:
@@ -269,7 +265,7 @@ def test_where_the_slice_keeps_layers_the_overlay_is_stock(runs, name, way, prom
 def test_what_the_patch_reports(runs):
     for name, record in runs.items():
         assert record["stock"]["fired"] == {}, name
-        if AFFECTED and name in BUG_CASES:
+        if PATCH.affected and name in BUG_CASES:
             # One count per StaticCache built for the config: the one _layers() builds, then one per
             # run (generate() builds one for each cache_implementation='static' call; the user
             # builds the other).
@@ -289,7 +285,7 @@ def test_with_every_patch_of_the_release(runs, name):
     that builds generate()'s static cache) gives the reference's ids too."""
     record = _present(runs, name)
     if OUT_OF_RANGE:
-        pytest.skip(f"{PATCH_ID} is out of range on {TRANSFORMERS_VERSION}: the other patches' tests cover them")
+        pytest.skip(f"{PATCH.id} is out of range on {PATCH.transformers}: the other patches' tests cover them")
     assert record["all patches"] == record["reference"][COMPOSED_PROMPT]
 
 
@@ -312,7 +308,7 @@ def test_config_given_by_position_or_by_keyword(runs, name):
     """generate() passes the config by keyword; users may pass it first, by position."""
     record = _present(runs, name)
     if OUT_OF_RANGE:
-        pytest.skip(f"transformers {TRANSFORMERS_VERSION}'s StaticCache takes more arguments; no slice there")
+        pytest.skip(f"transformers {PATCH.transformers}'s StaticCache takes more arguments; no slice there")
     from transformers import StaticCache
 
     config = _config(name)
@@ -354,7 +350,7 @@ def test_the_text_config_is_read_as_the_release_reads_it(shared):
     from overlay.testing.models import tiny_gemma3n_config
 
     if not hasattr(StaticCache, "early_initialization"):
-        pytest.skip(f"transformers {TRANSFORMERS_VERSION}'s StaticCache takes more arguments; no slice there")
+        pytest.skip(f"transformers {PATCH.transformers}'s StaticCache takes more arguments; no slice there")
     stock_config = _RecordingConfig(tiny_gemma3n_config(num_kv_shared_layers=shared))
     patched_config = _RecordingConfig(tiny_gemma3n_config(num_kv_shared_layers=shared))
     with overlay.reverted():
@@ -362,7 +358,7 @@ def test_the_text_config_is_read_as_the_release_reads_it(shared):
     with PATCH.applied():
         StaticCache(config=patched_config, max_cache_len=MAX_CACHE_LEN)
     assert stock_config.calls, "the release reads the text config through get_text_config"
-    if not AFFECTED:
+    if not PATCH.affected:
         assert patched_config.calls == stock_config.calls, "the patch steps aside"
     elif shared:
         assert patched_config.calls == stock_config.calls * 2, "the wrapper's call, then the original's"

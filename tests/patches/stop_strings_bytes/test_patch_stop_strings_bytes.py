@@ -27,8 +27,6 @@ from overlay.testing.harness import PatchUnderTest
 
 PATCH = PatchUnderTest("stop_strings_bytes")
 PATCH.skip_module_unless_covered()
-PATCH_ID = PATCH.id
-AFFECTED = PATCH.affected
 NOT_FOUND_ERROR = PATCH.error("unable to identify tokens")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -196,7 +194,7 @@ CRITERION_CASES = pytest.mark.parametrize("kind,stop", [(k, s) for k in TOKENIZE
 def test_replacement_keeps_name_docstring_and_signature():
     (target, stock), = PATCH.present_targets()
     variant = target.variant_of(stock)
-    if AFFECTED:
+    if PATCH.affected:
         assert variant is not None
     replacement = target.replace(stock, variant)
     assert replacement.__wrapped__ is stock
@@ -215,7 +213,7 @@ def test_stock(criterion_runs, kind, stop):
     """Affected releases: a stop string that is not ASCII raises, or some spelling is missed; an
     ASCII one is matched right. Fixed releases: stock is the control everywhere."""
     record = criterion_runs[kind, stop]
-    if not AFFECTED or stop.isascii():
+    if not PATCH.affected or stop.isascii():
         assert record["stock"] == record["reference"], record
     elif stop in ("🙂", "é"):
         assert record["stock"] == NOT_FOUND_ERROR
@@ -254,7 +252,7 @@ def test_ascii_stop_strings_keep_the_release_tables(tokenizers):
         report.reset()
         with PATCH.applied():
             patched = StopStringCriteria(tokenizer, ["stop", " a"])
-        assert report.fired().get(PATCH_ID, 0) == 0
+        assert report.fired().get(PATCH.id, 0) == 0
         assert patched.stop_strings == stock.stop_strings == ("stop", " a")
         assert patched.embedding_vec.equal(stock.embedding_vec)
         assert (patched.maximum_token_len, patched.target_lens.tolist()) == (
@@ -274,7 +272,7 @@ def test_patched_criterion_keeps_the_strings_and_counts_bytes(tokenizers):
     assert "clean_tokenizer_vocab" not in vars(criterion)
     # Six bytes, the lengths a byte-by-byte spelling needs (5.12.0 counts the same).
     assert (criterion.maximum_token_len, criterion.target_lens.tolist()) == (6, [6])
-    assert report.fired().get(PATCH_ID, 0) == (1 if AFFECTED else 0)
+    assert report.fired().get(PATCH.id, 0) == (1 if PATCH.affected else 0)
 
 
 # -- generate() -------------------------------------------------------------------------------
@@ -379,7 +377,7 @@ def test_generate_control_stops_each_row_after_its_stop_string(generate_runs, to
 @GENERATE_CASES
 def test_generate_stock(generate_runs, kind, stop):
     record = generate_runs[kind, stop]
-    if not AFFECTED or stop.isascii():
+    if not PATCH.affected or stop.isascii():
         assert record["stock"] == record["reference"]
     elif stop == "🙂":
         assert record["stock"] == NOT_FOUND_ERROR
