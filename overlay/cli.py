@@ -1,5 +1,9 @@
 """The command line of ``python -m overlay.apply`` (also ``python -m overlay``, ``attn-overlay``).
 
+Parsing, dispatch and the text it prints. The report is built by :mod:`overlay.install_check`
+(whose child program, run in a fresh process, is :mod:`overlay._verify_child`); the bug-report
+block by :mod:`overlay.environment`.
+
 ``--json`` prints one document whose top-level keys are the same in every case (schema 1):
 
 ``schema``            1
@@ -38,18 +42,24 @@ import argparse
 import json
 import os
 import runpy
-import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import config, engine, environment
 from ._version import __version__
 
 # What the startup hook does here is a fact of the environment (the bug-report block says it too);
-# pytest_plugin and the tests read it as cli.why_the_hook_is_inactive.
+# the tests read it as cli.why_the_hook_is_inactive.
 from .environment import why_the_hook_is_inactive
 
-SCHEMA = 1
+# The report and the hook's check live in install_check; their names stay readable here.
+from .install_check import SCHEMA, build_report, interpreter_flags, setting_problems
+
+__all__ = [
+    "SCHEMA", "build_report", "interpreter_flags", "main", "print_environment", "report", "run_program",
+    "setting_problems", "why_the_hook_is_inactive",
+]
 
 USAGE = """\
 python -m overlay.apply [--json] [--strict] [--no-verify]
@@ -69,64 +79,6 @@ overlay there, and show the settings in force. With a program or -m MODULE: run 
 patches applied (for environments where startup hooks are not processed, e.g. `python -S`,
 embedded interpreters, or ATTN_OVERLAY=0); its child processes (multiprocessing spawn and
 forkserver children included) get them too wherever the startup hook is installed."""
-
-# Imports the patch target modules the way a user program started here would, then reports what
-# happened. It never calls overlay.apply() before reading hook_active: whatever is active there was
-# activated by the startup hook. PACKAGE_ROOT is the folder holding the caller's overlay package.
-_VERIFY_CODE = """
-import importlib, json, logging, sys
-# Last on the path: used only where this process finds no overlay of its own (-S, -I, -P).
-sys.path.append(PACKAGE_ROOT)
-# Whether the startup hook ran at interpreter start: its .pth line (or .start file) imports this
-# module. Importing it here would install the hook, so where the start did not, it is read switched
-# off: the check must not activate what it checks (an editable install has no .pth, yet the module
-# is importable).
-hook_ran = "_attn_overlay_startup" in sys.modules
-try:
-    if not hook_ran:
-        import os
-        switch = os.environ.get("ATTN_OVERLAY")
-        os.environ["ATTN_OVERLAY"] = "0"
-    try:
-        import _attn_overlay_startup as startup
-    finally:
-        if not hook_ran:
-            if switch is None:
-                del os.environ["ATTN_OVERLAY"]
-            else:
-                os.environ["ATTN_OVERLAY"] = switch
-    shadowed = startup.shadowing_module()
-except (ImportError, AttributeError):
-    startup = shadowed = None
-if shadowed:
-    # A program started here imports the user's module, not the overlay (the hook refuses and
-    # says so). Still show what the patches would reach, with the caller's overlay, explicitly.
-    hooks = startup.finder()
-    if hooks is not None:
-        hooks.unwatch("transformers", startup.activate_when_transformers_is_imported)
-    sys.path.insert(0, PACKAGE_ROOT)
-import overlay.engine as engine
-modules = sorted({p.module for p in engine.known_patches()})
-errors = {}
-for name in modules:
-    try:
-        importlib.import_module(name)
-    except Exception as exc:
-        errors[name] = f"{type(exc).__name__}: {exc}"
-hook_active = hook_ran and engine.is_active()
-if not hook_active:
-    # Still show what the patches would reach here: the same gate on the same code, applied
-    # explicitly (the modules are imported already, so the late-import warning is silenced).
-    logging.getLogger("overlay").setLevel(logging.ERROR)
-    engine.apply(strict=False)
-print(json.dumps({
-    "hook_active": hook_active,
-    "activation_error": engine.activation_error(),
-    "import_errors": errors,
-    "patches": [s.as_dict() for s in engine.status()],
-    "shadowed": shadowed,
-}))
-"""
 
 #: How the report's reason begins where a module shadows the overlay (``environment.shadow_reason``).
 _SHADOWED_REASON = "`import overlay` finds "
@@ -167,94 +119,7 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def interpreter_flags() -> list[str]:
-    """The flags this interpreter was started with (-S, -I, -E, -X ...), for a child that must
-    see what the caller's processes see."""
-    try:
-        return list(subprocess._args_from_interpreter_flags())  # what multiprocessing uses
-    except Exception:  # a private helper; without it, rebuild the common flags
-        flags = sys.flags
-        out = ["-S"] * bool(flags.no_site)  # -I does not imply -S: site-packages .pth files still run
-        if flags.isolated:
-            out.append("-I")
-        else:
-            out += ["-E"] * bool(flags.ignore_environment) + ["-s"] * bool(flags.no_user_site)
-            out += ["-P"] * bool(getattr(flags, "safe_path", False))
-        return out
-
-
-def _package_root() -> str:
-    """The folder holding this overlay package (site-packages, or a source tree's root)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _verify_in_subprocess(timeout: float = 300.0) -> dict:
-    code = f"PACKAGE_ROOT = {_package_root()!r}\n" + _VERIFY_CODE
-    command = [sys.executable, *interpreter_flags(), "-c", code]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"the verification subprocess did not finish in {timeout:.0f} s"}
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-        return {"error": "the verification subprocess failed: " + " | ".join(tail)}
-    try:
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"error": f"unexpected output from the verification subprocess: {done.stdout[-300:]!r}"}
-    if not result.get("shadowed"):
-        said = [line for line in done.stderr.splitlines() if line.startswith(environment.SHADOW_PREFIX)]
-        result["shadowed"] = said[-1] if said else None
-    return result
-
-
-def build_report(verify: bool = True) -> dict:
-    """The ``--json`` document (see the module docstring)."""
-    version = engine.installed_transformers_version()
-    report: dict = {
-        "schema": SCHEMA,
-        "overlay_version": __version__,
-        "python": sys.version.split()[0],
-        "transformers_version": version,
-        "hook": {"active": None, "verified": False, "reason": None},
-        "patches": [],
-        "import_errors": {},
-        "settings": {value.setting.name: value.as_dict() for value in environment.settings_in_force()},
-        "ok": True,
-    }
-    if not verify or version is None:
-        report["patches"] = [dict(s.as_dict(), would_be=None) for s in engine.status()]
-        if version is None:
-            report["hook"]["reason"] = "transformers is not installed: nothing to patch"
-        return _finish(report)
-    verified = _verify_in_subprocess()
-    if "error" in verified:
-        report["hook"] = {"active": False, "verified": False, "reason": verified["error"]}
-        report["patches"] = [dict(s.as_dict(), would_be=None) for s in engine.status()]
-        return _finish(report)
-    active = bool(verified["hook_active"])
-    reason = None
-    if not active:
-        shadowed = verified.get("shadowed")
-        reason = environment.shadow_reason(shadowed) if shadowed else verified.get("activation_error")
-        reason = reason or why_the_hook_is_inactive()
-    report["hook"] = {"active": active, "verified": True, "reason": reason}
-    report["import_errors"] = verified.get("import_errors", {})
-    for row in verified["patches"]:
-        if active:
-            row["would_be"] = None
-        else:  # no process gets these patches: never say "applied"
-            row["would_be"], row["state"] = row["state"], engine.INACTIVE
-        report["patches"].append(row)
-    return _finish(report)
-
-
-def setting_problems(report: dict) -> list[str]:
-    """The report's bad settings: values outside the table (``--strict`` exits 1 on any)."""
-    return [entry["problem"] for entry in report["settings"].values() if entry["problem"]]
-
-
-def _settings_table(settings: dict) -> str:
+def _settings_table(settings: dict[str, Any]) -> str:
     rows = []
     for name, entry in settings.items():
         value = entry["value"]
@@ -279,36 +144,7 @@ def _settings_table(settings: dict) -> str:
     return "\n".join(lines)
 
 
-def _finish(report: dict) -> dict:
-    states = {row["would_be"] or row["state"] for row in report["patches"]}
-    report["ok"] = not (states & engine.BAD_STATES)
-    report["summary"] = _older_than_every_patch(report["transformers_version"], states)
-    return report
-
-
-def _older_than_every_patch(version: str | None, states: set) -> str | None:
-    """One line for a release older than the lowest release any patch was written for."""
-    if version is None or states != {engine.OUT_OF_RANGE}:
-        return None
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    from .patch import lowest_release
-
-    lowest = [low for p in engine.known_patches() if (low := lowest_release(SpecifierSet(p.affected))) is not None]
-    try:
-        older = bool(lowest) and Version(version) < min(lowest)
-    except InvalidVersion:
-        return None
-    if not older:
-        return None
-    return (
-        f"transformers {version} is older than {min(lowest)}, the oldest release any patch was written for: "
-        "nothing is patched or checked here (the accelerator stacks' pins start at 4.55)"
-    )
-
-
-def _table(rows: list[dict]) -> str:
+def _table(rows: list[dict[str, Any]]) -> str:
     headers = ("patch", "status", "why")
     body = [
         (r["id"], r["state"] if not r.get("would_be") else f"{r['state']} (would be: {r['would_be']})", r["reason"])
@@ -359,7 +195,9 @@ def run_program(args: argparse.Namespace, rest: list[str]) -> int:
     """Run the program (or ``-m`` module) with the patches applied, in this process; its child
     processes get them through the startup hook (see :func:`_hand_down_to_children`)."""
     engine.apply(strict=True if args.strict else None)
-    _hand_down_to_children(strict=engine.settings().strict)
+    in_force = engine.settings()
+    assert in_force is not None  # apply() has just activated the overlay
+    _hand_down_to_children(strict=in_force.strict)
     if args.module:
         cannot = _cannot_run_module(args.module)
         if cannot is not None:  # what `python -m MODULE` prints, and its exit status
@@ -369,9 +207,9 @@ def run_program(args: argparse.Namespace, rest: list[str]) -> int:
         runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         return 0
     program, *program_args = rest
-    cannot = _cannot_run_path(program)
-    if cannot is not None:  # what `python PROGRAM` prints, and its exit status
-        message, status = cannot
+    cannot_open = _cannot_run_path(program)
+    if cannot_open is not None:  # what `python PROGRAM` prints, and its exit status
+        message, status = cannot_open
         print(f"{sys.executable}: {message}", file=sys.stderr)
         return status
     sys.argv = [program, *program_args]

@@ -289,11 +289,11 @@ def test_strict_mode_makes_a_real_import_raise_through_the_startup_hook(strict):
 
 
 def test_a_release_older_than_every_patch_gets_one_summary_line():
-    from overlay import cli
+    from overlay import install_check
 
     # What the patches are there, as the verification would find them: out of range, all.
     states = {engine.gate(p, "4.40.0")[0] for p in engine.known_patches()}
     assert states == {engine.OUT_OF_RANGE}
-    line = cli._older_than_every_patch("4.40.0", states)
+    line = install_check._older_than_every_patch("4.40.0", states)
     assert line.startswith("transformers 4.40.0 is older than 4.55.0, the oldest release any patch was written for")
-    assert cli._older_than_every_patch("5.18.0", {engine.APPLIED, engine.OUT_OF_RANGE}) is None
+    assert install_check._older_than_every_patch("5.18.0", {engine.APPLIED, engine.OUT_OF_RANGE}) is None

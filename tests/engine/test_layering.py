@@ -1,9 +1,11 @@
 """The import drawing of the package: every arrow runs down a floor, never along one or back up.
 
 Floors, top to bottom:
-  10 ``overlay/__init__`` (the public API facade), ``overlay/apply.py`` and ``__main__`` (``-m`` entries),
+  11 ``overlay/__init__`` (the public API facade), ``overlay/apply.py`` and ``__main__`` (``-m`` entries),
      and the pytest entry point ``_attn_overlay_pytest``
-  9  the command line and the pytest plugin: ``overlay.cli``, ``overlay.pytest_plugin``
+  10 the command line and the pytest plugin: ``overlay.cli``, ``overlay.pytest_plugin``
+  9  the install check: ``overlay.install_check`` (the report, and whether the startup hook
+     activates the overlay) and the child program it runs by path, ``overlay._verify_child``
   8  the bug-report block: ``overlay.environment``
   7  the doctor: ``overlay.doctor``
   6  the test kit: ``overlay.testing``
@@ -30,8 +32,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 FLOORS = {
-    "overlay": 10, "overlay.apply": 10, "overlay.__main__": 10, "_attn_overlay_pytest": 10,
-    "overlay.cli": 9, "overlay.pytest_plugin": 9,
+    "overlay": 11, "overlay.apply": 11, "overlay.__main__": 11, "_attn_overlay_pytest": 11,
+    "overlay.cli": 10, "overlay.pytest_plugin": 10,
+    "overlay.install_check": 9, "overlay._verify_child": 9,
     "overlay.environment": 8,
     "overlay.doctor": 7,
     "overlay.testing": 6,

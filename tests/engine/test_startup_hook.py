@@ -331,8 +331,8 @@ def test_verification_runs_with_the_callers_interpreter_flags(fresh, flag, activ
     package_root = str(__import__("pathlib").Path(overlay.__file__).parent.parent)
     code = (
         "import sys, json; sys.path[:0] = [%r]; sys.argv = ['x', '--json'];"
-        "import overlay.cli as c; from overlay import engine;"
-        "print(json.dumps({'flags': c.interpreter_flags(), 'active': c._verify_in_subprocess().get('hook_active'),"
+        "import overlay.install_check as c; from overlay import engine;"
+        "print(json.dumps({'flags': c.interpreter_flags(), 'active': c.verify_in_subprocess().get('hook_active'),"
         " 'why': c.why_the_hook_is_inactive()}))"
     ) % package_root
     result = _last_json(fresh.run(flag, "-c", code))

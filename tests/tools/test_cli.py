@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from overlay import cli
+from overlay import install_check
 from tests.freshenv import build_wheel, install_wheel, make_fresh_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,10 +103,10 @@ def test_the_fallback_flags_keep_dash_S_under_dash_I(monkeypatch):
 
     monkeypatch.setattr(subprocess, "_args_from_interpreter_flags", unavailable)
     flags = types.SimpleNamespace(no_site=1, isolated=1, ignore_environment=1, no_user_site=1, safe_path=1)
-    monkeypatch.setattr(cli, "sys", types.SimpleNamespace(flags=flags))
-    assert cli.interpreter_flags() == ["-S", "-I"]
+    monkeypatch.setattr(install_check, "sys", types.SimpleNamespace(flags=flags))
+    assert install_check.interpreter_flags() == ["-S", "-I"]
     flags.isolated = 0
-    assert cli.interpreter_flags() == ["-S", "-E", "-s", "-P"]
+    assert install_check.interpreter_flags() == ["-S", "-E", "-s", "-P"]
 
 
 # -- in a fresh environment, as users get it --------------------------------------------------------
