@@ -348,6 +348,26 @@ def wraps(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callab
     return functools.wraps(original)
 
 
+def argument_reader(original: Callable[..., Any]) -> Callable[[tuple, Mapping[str, Any], str], Any]:
+    """For a wrapper of the method ``original`` that receives ``(self, *args, **kwargs)``: a
+    function ``read(args, kwargs, name)`` giving the argument ``name`` wherever the caller put it,
+    by keyword or by position (``None`` when the call did not pass it). Built once per target."""
+    positional = [
+        p.name
+        for p in inspect.signature(original).parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ][1:]  # args start after self
+    index = {name: i for i, name in enumerate(positional)}
+
+    def read(args: tuple, kwargs: Mapping[str, Any], name: str) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        at = index.get(name)
+        return args[at] if at is not None and at < len(args) else None
+
+    return read
+
+
 # -- the verdict ----------------------------------------------------------------------------
 # One pure function says what a patch meets on a release; the engine, the fingerprint tool, the
 # test kit and the benchmarks all ask it. States are the words the status table prints.

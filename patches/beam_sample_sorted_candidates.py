@@ -34,10 +34,8 @@ docs/patches/beam-sample-sorted-candidates.md.
 
 from __future__ import annotations
 
-import inspect
-
 from overlay import report
-from overlay.patch import Target, wraps
+from overlay.patch import Target, argument_reader, wraps
 from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "beam-sample-sorted-candidates"
@@ -45,13 +43,12 @@ MODULE = "transformers.generation.utils"
 
 
 def _replace_get_top_k_continuations(original, variant):
-    parameters = list(inspect.signature(original).parameters)  # (self, accumulated_log_probs, ...)
-    do_sample_index = parameters.index("do_sample") - 1  # positional arguments start after self
+    argument = argument_reader(original)
 
     @wraps(original)
     def _get_top_k_continuations(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        do_sample = kwargs["do_sample"] if "do_sample" in kwargs else args[do_sample_index]
+        do_sample = argument(args, kwargs, "do_sample")
         if not do_sample:
             return result
         topk_log_probs, topk_running_sequences, topk_running_beam_indices = result

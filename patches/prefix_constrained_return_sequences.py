@@ -41,10 +41,9 @@ docs/patches/prefix-constrained-return-sequences.md.
 from __future__ import annotations
 
 import copy
-import inspect
 
 from overlay import report
-from overlay.patch import Target, wraps
+from overlay.patch import Target, argument_reader, wraps
 from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "prefix-constrained-return-sequences"
@@ -52,29 +51,23 @@ MODULE = "transformers.generation.utils"
 
 
 def _replace_get_logits_processor(original, variant):
-    parameters = list(inspect.signature(original).parameters)  # (self, generation_config, ...)
+    argument = argument_reader(original)
 
     @wraps(original)
     def _get_logits_processor(self, *args, **kwargs):
         processors = original(self, *args, **kwargs)
 
-        def argument(name):
-            if name in kwargs:
-                return kwargs[name]
-            index = parameters.index(name) - 1 if name in parameters else len(args)  # args start after self
-            return args[index] if index < len(args) else None
-
-        prefix_allowed_tokens_fn = argument("prefix_allowed_tokens_fn")
+        prefix_allowed_tokens_fn = argument(args, kwargs, "prefix_allowed_tokens_fn")
         if prefix_allowed_tokens_fn is None:
             return processors
-        generation_config = argument("generation_config")
+        generation_config = argument(args, kwargs, "generation_config")
         num_beams = getattr(generation_config, "num_beams", None) or 1
         num_return_sequences = getattr(generation_config, "num_return_sequences", None) or 1
         if num_return_sequences <= num_beams:  # the release passes each prompt's rows already
             return processors
         from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 
-        passed = list(argument("logits_processor") or ())
+        passed = list(argument(args, kwargs, "logits_processor") or ())
         for index, processor in enumerate(processors):
             if (
                 type(processor) is PrefixConstrainedLogitsProcessor

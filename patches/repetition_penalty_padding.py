@@ -39,10 +39,9 @@ docs/patches/repetition-penalty-padding.md.
 from __future__ import annotations
 
 import copy
-import inspect
 
 from overlay import report
-from overlay.patch import Target, wraps
+from overlay.patch import Target, argument_reader, wraps
 from overlay.releases import patch_with_release_facts
 
 PATCH_ID = "repetition-penalty-padding"
@@ -93,12 +92,12 @@ def left_padding(mask):
 
 
 def _replace_get_logits_processor(original, variant):
-    parameters = list(inspect.signature(original).parameters)  # (self, generation_config, ...)
+    argument = argument_reader(original)
 
     @wraps(original)
     def _get_logits_processor(self, *args, **kwargs):
         processors = original(self, *args, **kwargs)
-        generation_config = kwargs["generation_config"] if "generation_config" in kwargs else args[0]
+        generation_config = argument(args, kwargs, "generation_config")
         penalty = getattr(generation_config, "repetition_penalty", None)
         if penalty is None or penalty == 1.0:
             return processors
@@ -107,20 +106,14 @@ def _replace_get_logits_processor(original, variant):
         if torch.compiler.is_compiling():
             return processors
 
-        def argument(name):
-            if name in kwargs:
-                return kwargs[name]
-            index = parameters.index(name) - 1 if name in parameters else len(args)  # args start after self
-            return args[index] if index < len(args) else None
-
-        model_kwargs = argument("model_kwargs") or {}
+        model_kwargs = argument(args, kwargs, "model_kwargs") or {}
         is_encoder_decoder = getattr(self.config, "is_encoder_decoder", False)
         mask = model_kwargs.get("decoder_attention_mask" if is_encoder_decoder else "attention_mask")
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] == 0:
             return processors
         from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-        passed = list(argument("logits_processor") or ())
+        passed = list(argument(args, kwargs, "logits_processor") or ())
         for index, processor in enumerate(processors):
             if (
                 type(processor) is RepetitionPenaltyLogitsProcessor

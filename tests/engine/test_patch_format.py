@@ -48,3 +48,23 @@ def test_every_patch_files_docstring_is_a_summary_the_history_lives_in_docs():
         if len(docstring.splitlines()) > 60:
             too_long[path.name] = len(docstring.splitlines())
     assert too_long == {}
+
+
+def test_the_argument_reader_finds_an_argument_by_keyword_or_by_position():
+    from overlay.patch import argument_reader, wraps
+
+    class Mixin:
+        def build(self, config, model_kwargs=None, *extra, logits_processor=None, **rest):
+            return config
+
+    @wraps(Mixin.build)
+    def layered(self, *args, **kwargs):  # another patch's wrapper: the reader sees through it
+        return Mixin.build(self, *args, **kwargs)
+
+    for method in (Mixin.build, layered):
+        read = argument_reader(method)
+        assert read(("c", {"m": 1}), {}, "model_kwargs") == {"m": 1}
+        assert read(("c",), {"model_kwargs": 2}, "model_kwargs") == 2
+        assert read(("c",), {}, "model_kwargs") is None
+        assert read(("c",), {"logits_processor": 3}, "logits_processor") == 3
+        assert read(("c",), {}, "not_a_parameter") is None
