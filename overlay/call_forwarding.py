@@ -41,6 +41,11 @@ import linecache
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+#: The names other modules use; the rest is this module's own.
+__all__ = [
+    "RERAISE", "call_shape", "shaped_forwarder",
+]
+
 #: A shape: how many positional arguments, and the keyword names in the caller's order.
 CallShape = tuple[int, tuple[str, ...]]
 

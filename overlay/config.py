@@ -45,6 +45,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+#: The names other modules use; the rest is this module's own.
+__all__ = [
+    "ALL_PATCHES", "BY_NAME", "DEPRECATED_GUARD_MODES", "DISABLE_VAR", "ENABLE_VAR", "FALSE_WORDS", "FROM_DEFAULT",
+    "FROM_ENVIRONMENT", "GUARD_DEFAULT", "GUARD_MODES", "GUARD_VAR", "LOGGER_NAME", "LOG_LEVEL_VAR", "LOG_RANKS_VAR",
+    "RANK_VARS", "REPORT_VAR", "SETTINGS", "STRICT_VAR", "Value", "auto_enabled", "cache_dir", "configure_logging",
+    "disabled_patch_ids", "guard_mode", "in_force", "log_level", "problems", "process_rank", "report_at_exit",
+    "reset_warnings", "strict_from_env", "value",
+]
+
 #: The package's one logger: every module of the overlay logs on it (or on a child of it).
 LOGGER_NAME = "overlay"
 logger = logging.getLogger(LOGGER_NAME)

@@ -43,6 +43,14 @@ from .patch import (  # noqa: F401
     source_of,
 )
 
+#: The names other modules use; the rest is this module's own.
+__all__ = [
+    "APPLIED", "BAD_STATES", "DISABLED", "DISPLACED", "FAILED", "FIXED_UPSTREAM", "INACTIVE", "NOT_INSTALLED",
+    "OUT_OF_RANGE", "OverlayError", "PENDING", "PatchStatus", "TRANSFORMERS", "UNRECOGNISED", "activation_error", "applied",
+    "apply", "gate", "installed_transformers_version", "is_active", "isolated", "known_patches", "revert", "reverted",
+    "settings", "status",
+]
+
 logger = logging.getLogger(config.LOGGER_NAME)
 
 TRANSFORMERS = "transformers"

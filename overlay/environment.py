@@ -33,6 +33,13 @@ from collections.abc import Callable
 from . import config, engine
 from ._version import __version__
 
+#: The names other modules use; the rest is this module's own.
+__all__ = [
+    "LIBRARIES", "NOT_INSTALLED", "SHADOW_PREFIX", "cannot_see_an_accelerator", "collect", "distribution_version",
+    "format_block", "settings_in_force", "shadow_reason", "startup_hook_lines", "startup_hook_watching", "torch_build",
+    "why_the_hook_is_inactive",
+]
+
 NOT_INSTALLED = "not installed"
 CPU_BUILD = "CPU (no CUDA, ROCm or XPU in this build)"
 

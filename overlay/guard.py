@@ -48,6 +48,13 @@ from typing import Any
 
 from . import config
 
+#: The names other modules use; the rest is this module's own.
+__all__ = [
+    "AttentionInputError", "CacheDtypeError", "KVCacheDtypeWarning", "MODES", "MODE_VAR", "STRICT",
+    "check_attention_inputs", "diagnose_kernel_error", "get_mode", "reset_warnings", "set_mode", "using_mode",
+    "warn_cache_cast_once", "warn_cache_rounding_once", "warn_cross_cache_cast_once",
+]
+
 #: Environment variable holding the mode (its row in the settings table: ``overlay/config.py``).
 MODE_VAR = config.GUARD_VAR
 MODES = config.GUARD_MODES  # the settings table's words, named here for the guard's own code

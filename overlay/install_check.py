@@ -20,6 +20,11 @@ from . import engine, environment
 from ._version import __version__
 from .environment import why_the_hook_is_inactive
 
+#: The names other modules use; the rest is this module's own.
+__all__ = [
+    "SCHEMA", "VERIFY_CHILD", "build_report", "interpreter_flags", "setting_problems",
+]
+
 SCHEMA = 1
 
 #: The child program (run by path, never imported here: see its docstring).

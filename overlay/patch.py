@@ -20,6 +20,14 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any, NamedTuple, cast
 
+#: The names other modules use; the rest is this module's own.
+__all__ = [
+    "ABSENT_OPTIONAL", "APPLIED", "FAILED", "FIXED", "FIXED_UPSTREAM", "MISSING", "NEW", "NOT_INSTALLED", "ORIGINAL",
+    "OUT_OF_RANGE", "PATCH_MARKER", "PENDING", "Patch", "Target", "UNRECOGNISED", "Variant", "argument_reader", "assess",
+    "block_at", "code_in_module", "fingerprint", "fingerprint_source", "function_of", "judge_code", "lowest_release",
+    "source_in_module_text", "source_of", "wraps",
+]
+
 #: Attribute set on every replacement the engine installs: the id of the patch it belongs to.
 PATCH_MARKER = "__overlay_patch__"
 

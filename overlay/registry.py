@@ -5,6 +5,11 @@ from __future__ import annotations
 from . import _patch_files
 from .patch import Patch
 
+#: The names other modules use; the rest is this module's own.
+__all__ = [
+    "load_patches",
+]
+
 
 def load_patches() -> tuple[Patch, ...]:
     package = _patch_files.package()

@@ -38,6 +38,12 @@ from typing import Any
 from . import _patch_files
 from .patch import FIXED, Patch, Target, Variant
 
+#: The names other modules use; the rest is this module's own.
+__all__ = [
+    "BEFORE", "FIXED", "NO_RELEASE", "allow_drafts", "codes_of", "data_path", "derive", "label", "label_covers",
+    "label_runs", "load", "patch_with_release_facts",
+]
+
 #: Where the data lives: beside the patch files, in the package they ship in.
 FILENAME = "releases.json"
 #: The code kinds the data names besides a variant's name: ``FIXED`` (upstream's fix; the same word

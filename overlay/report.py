@@ -17,6 +17,12 @@ import sys
 import threading
 from collections import Counter
 
+#: The names other modules use; the rest is this module's own.
+__all__ = [
+    "describe_actions", "fired", "fired_actions", "print_report_at_exit", "record", "record_outside_compile",
+    "report_lines", "reset",
+]
+
 _lock = threading.Lock()
 _calls: Counter[str] = Counter()
 _actions: dict[str, Counter[str]] = {}
