@@ -48,6 +48,18 @@ def test_a_module_that_cannot_run_gets_pythons_own_line(module, tmp_path):
     assert "Traceback" not in ours.stderr
 
 
+def test_without_runpys_private_resolver_the_module_check_steps_aside(monkeypatch):
+    # runpy._get_module_details is what `python -m` calls, but private: a Python without it gets no
+    # early message, and the program mode leaves the error to runpy.run_module itself.
+    import runpy
+
+    from overlay import cli
+
+    assert cli._cannot_run_module("no_such_module_for_attn_overlay").startswith("No module named")
+    monkeypatch.delattr(runpy, "_get_module_details")
+    assert cli._cannot_run_module("no_such_module_for_attn_overlay") is None
+
+
 @pytest.mark.parametrize("program", ["no_such_program.py", "a_folder_without_main"])
 def test_a_program_that_cannot_run_gets_pythons_own_line(program, tmp_path):
     (tmp_path / "a_folder_without_main").mkdir()
