@@ -27,7 +27,8 @@ raises); RWKV (``state``) is not covered: its cached path differs from its uncac
 greedy search on these releases, so no reference can judge a reorder (5.13+ raises). Group and
 constrained beam search (4.55.x) are not patched. The routing is an instance attribute; one the model
 instance already holds under that name is called in place of the class's. Jamba, Bamba, Zamba,
-Falcon H1 and the other hybrids use ``past_key_values``: the release reorders them itself.
+Falcon H1 and the other hybrids use ``past_key_values``: the release reorders them itself. A model
+that is not a torch module (OpenVINO's) gets the release's beam search.
 Cost: per step one hook call, a gather of N x batch indices and one ``index_select`` per state
 tensor (as upstream); nothing for greedy search, sampling, or a ``past_key_values`` cache.
 Longer account: docs/patches/beam-search-recurrent-cache.md.
@@ -142,6 +143,10 @@ def make_beam_search(original, variant):
     def _beam_search(self, *args, **model_kwargs):
         if model_kwargs.get("past_key_values") is not None or model_kwargs.get("use_cache") is False:
             return original(self, *args, **model_kwargs)  # the release reorders it, or there is none
+        if not hasattr(self, "register_forward_hook"):
+            # Not a torch module (OpenVINO's models run generate() on a compiled graph): no
+            # cache_params for this patch to follow, and no hook to follow it with.
+            return original(self, *args, **model_kwargs)
         call = _Call(self)
 
         def note_cache(module, inputs, output):

@@ -28,7 +28,8 @@ concatenation per step, as in the fixed releases.
 Limits: assisted and prompt-lookup decoding with ``position_ids`` still give the candidates
 stale positions (the fixed release also extends them per candidate batch there; not ported).
 Models that override ``_update_model_kwargs_for_generation`` without calling ``super()``
-(Mamba, Falcon Mamba, Moshi, some multimodal models) keep their own. Chunked prefill
+(Mamba, Falcon Mamba, Moshi, some multimodal models) keep their own; so do classes defined outside
+transformers whose override calls it (OpenVINO's appends the position itself). Chunked prefill
 (``prefill_chunk_size``) drops passed positions after the prompt on these releases (the
 ``chunked-prefill`` patch's concern, not this one's).
 
@@ -48,6 +49,13 @@ PATCH_ID = "position-ids-advance"
 MODULE = "transformers.generation.utils"
 
 
+def _overridden_outside_transformers(cls) -> bool:
+    """Whether ``cls`` gets this step from an override defined outside transformers (a stack's or
+    the user's class), not from transformers' own code (the mixin, or a model of the library)."""
+    step = getattr(cls, "_update_model_kwargs_for_generation", None)
+    return not (getattr(step, "__module__", None) or "").startswith("transformers.")
+
+
 def _replace_update_model_kwargs(original, variant):
     @wraps(original)
     def _update_model_kwargs_for_generation(
@@ -56,6 +64,11 @@ def _replace_update_model_kwargs(original, variant):
         key = "decoder_position_ids" if is_encoder_decoder else "position_ids"
         position_ids = model_kwargs.get(key)
         model_kwargs = original(self, outputs, model_kwargs, is_encoder_decoder, num_new_tokens)
+        if position_ids is not None and _overridden_outside_transformers(type(self)):
+            # A stack's own model class that overrides this step and calls it (OpenVINO's
+            # OVModelForCausalLM appends the next position itself on these releases): advancing
+            # here too would advance twice. Its override decides, as on stock.
+            return model_kwargs
         # Only positions the caller passed are here (generate() itself keeps none between steps on
         # these releases), and the original never touches them: advance them as the fixed release.
         if position_ids is not None and model_kwargs.get(key) is position_ids:

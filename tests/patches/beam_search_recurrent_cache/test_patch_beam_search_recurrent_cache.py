@@ -240,3 +240,24 @@ def test_a_call_that_raises_leaves_nothing_behind():
 def _reference_ids(model):
     with overlay.reverted():
         return _beam_search(model, use_cache=False)["ids"]
+
+
+def test_a_model_that_is_not_a_torch_module_gets_the_release_beam_search():
+    # OpenVINO's models are GenerationMixin subclasses but not torch modules: no forward hooks.
+    from transformers.generation.utils import GenerationMixin
+
+    calls = []
+
+    def release_beam_search(self, *args, **model_kwargs):
+        calls.append((self, args, model_kwargs))
+        return "the release's result"
+
+    replacement = PATCH.patch_module.make_beam_search(release_beam_search, None)
+
+    class CompiledModel(GenerationMixin):
+        pass
+
+    model = CompiledModel()
+    assert replacement(model, "input ids", use_cache=True) == "the release's result"
+    assert calls == [(model, ("input ids",), {"use_cache": True})]
+    assert STEP not in vars(model)

@@ -166,3 +166,40 @@ def test_report_counts_the_steps_it_advanced():
     assert without == 0
     # One count per step after the prompt (the last step's update is not used by a forward).
     assert with_positions == (MAX_NEW_TOKENS if PATCH.affected else 0)
+
+
+def _stack_like_subclass(base):
+    """A model class defined outside transformers whose override calls the mixin's step and then
+    appends the next position itself, as OpenVINO's ``OVModelForCausalLM`` does on these releases."""
+
+    class StackModel(base):
+        def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, **kwargs):
+            import torch
+
+            model_kwargs = super()._update_model_kwargs_for_generation(
+                outputs=outputs, model_kwargs=model_kwargs, is_encoder_decoder=is_encoder_decoder, **kwargs
+            )
+            if "position_ids" in model_kwargs:
+                position_ids = model_kwargs["position_ids"]
+                model_kwargs["position_ids"] = torch.cat([position_ids, position_ids[..., -1:] + 1], dim=-1)
+            return model_kwargs
+
+    return StackModel
+
+
+def test_a_stacks_override_that_advances_positions_itself_is_not_advanced_twice():
+    from overlay import report
+    from overlay.testing.models import left_padded_batch, tiny_model
+
+    model = tiny_model("llama", initializer_range=POSITION_SENSITIVE_INIT)
+    model.__class__ = _stack_like_subclass(type(model))
+    batch = left_padded_batch((7, 4), seed=5)
+    with overlay.reverted():
+        reference = _run(model, batch, "greedy", pass_positions=False)
+        own_fix = _run(model, batch, "greedy", pass_positions=True)
+    report.reset()
+    with PATCH.applied():
+        patched = _run(model, batch, "greedy", pass_positions=True)
+    assert own_fix["ids"] == reference["ids"]  # the stack's own fix, on stock
+    assert patched == own_fix  # the overlay steps aside: one advance per step, not two
+    assert report.fired().get(PATCH.id, 0) == 0
