@@ -75,20 +75,25 @@ def concurrent_runs() -> list[tuple[list[str], str, dict]]:
 # two; every target module at once behind a barrier, 8 runs of 8; on stock 5.19.0, 21 runs of 24,
 # and 20 of 24 with the overlay), with "partially initialized module" or, when the other thread
 # finished in between, without it.
-STOCK_RACE = re.compile(r"^ImportError: cannot import name '\w+' from (partially initialized module )?'transformers[.\w]*'")
+# The same race one level down, in a library transformers imports at module level (seen in CI, 5.20.2,
+# shuffled free start: `cannot import name 'AlignDevicesHook' from partially initialized module
+# 'accelerate.hooks'`, raised in accelerate/big_modeling.py while another thread was importing it).
+STOCK_RACE = re.compile(
+    r"^ImportError: cannot import name '\w+' from (partially initialized module )?'(?:transformers|accelerate|torch)[.\w]*'"
+)
 # CPython's own deadlock detection: two threads each hold the import lock of a module the other
 # is waiting for, and the import system raises in one of them (seen once in CI, 5.19.0, every
 # target module behind a barrier, on torch.distributed.fsdp._fully_shard's lock; not in 48 runs
 # here, 24 stock and 24 with the overlay). The cycle is among stock's own modules: the overlay
 # takes no import lock but its own modules', and they import no transformers or torch module
 # (tests/engine/test_layering.py checks what the hook loads), so it cannot close one.
-STOCK_DEADLOCK = re.compile(r"^_DeadlockError: deadlock detected by _ModuleLock\('(?:transformers|torch)[.\w]*'\)")
+STOCK_DEADLOCK = re.compile(r"^_DeadlockError: deadlock detected by _ModuleLock\('(?:transformers|accelerate|torch)[.\w]*'\)")
 DEADLOCK_DETECTOR = "<frozen importlib._bootstrap>:acquire"
 # The second-hand form: a thread found a parent package in sys.modules, then the thread importing
 # that package failed (above) and Python removed it, and the import system's own lookup of the
 # parent raises (seen on stock 5.0.0, every target module behind a barrier: 2 runs of 18, as often
 # with the overlay; CPython's _find_and_load_unlocked reads sys.modules[parent] unguarded).
-STOCK_PARENT_GONE = re.compile(r"^KeyError: 'transformers[.\w]*'$")
+STOCK_PARENT_GONE = re.compile(r"^KeyError: '(?:transformers|accelerate|torch)[.\w]*'$")
 IMPORT_SYSTEM = "<frozen importlib._bootstrap>:_find_and_load_unlocked"
 
 
