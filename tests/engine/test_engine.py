@@ -283,6 +283,15 @@ def test_applied_context_leaves_a_module_first_imported_after_it_stock(toy):
         assert core.Mixin().compute(1) == 3
 
 
+def test_applied_context_reverts_a_module_first_imported_inside_it(toy):
+    with engine.isolated([toy_patch(toy)], distribution=toy.name):
+        with engine.applied():
+            core = toy.import_core()  # patched on import, inside the block
+            assert core.Mixin().compute(1) == 3
+        assert core.Mixin().compute(1) == 2
+        assert _state().state == engine.INACTIVE
+
+
 def test_unknown_patch_id_is_a_clear_error(toy):
     with engine.isolated([toy_patch(toy)], distribution=toy.name):
         with pytest.raises(OverlayError, match=r"unknown patch id\(s\) \['nope'\]; known: \['toy-add-two'\]"):

@@ -95,22 +95,6 @@ def _generate(model, keep_cache: bool = False, **kwargs) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _all_applied():
-    """Every patch of the overlay, as users get it: the others layered on this one's targets.
-    Every target module is imported first: one first imported inside the block would be patched
-    on import and stay patched after it, for the tests that run next."""
-    import importlib
-
-    from overlay.registry import load_patches
-
-    for module in sorted({target.module for patch in load_patches() for target in patch.targets}):
-        try:
-            importlib.import_module(module)
-        except ImportError:  # a module this release does not have
-            pass
-    return overlay.applied()
-
-
 @pytest.fixture(scope="module")
 def runs():
     """``{(model, depth, mode): {"reference", "stock", "patched", "overlay"}}``."""
@@ -127,7 +111,7 @@ def runs():
                     record["stock"] = _generate(model, **kwargs)
                 with PATCH.applied():
                     record["patched"] = _generate(model, **kwargs)
-                with _all_applied():
+                with overlay.applied():  # every patch, as users get them
                     record["overlay"] = _generate(model, **kwargs)
     return results
 
@@ -156,7 +140,7 @@ def test_engine_status():
 
 def test_layered_with_the_other_patches_of_its_targets():
     """On 4.56 ``StaticCache.__init__`` is static-cache-zero-kv-shared-layers' target too: both apply."""
-    with _all_applied() as statuses:
+    with overlay.applied() as statuses:  # every patch, as users get them
         states = {status.id: status.state for status in statuses}
     if PATCH.affected:
         other = "static-cache-zero-kv-shared-layers"
@@ -214,7 +198,7 @@ def test_a_kept_static_cache_serves_the_next_call(kind, depth):
     with overlay.reverted():
         reference = _generate(model, use_cache=False)
     vars(model).pop("_cache", None)
-    with _all_applied():
+    with overlay.applied():  # every patch, as users get them
         first = _generate(model, keep_cache=True, cache_implementation="static")
         second = _generate(model, keep_cache=True, cache_implementation="static")
     assert first == second == reference

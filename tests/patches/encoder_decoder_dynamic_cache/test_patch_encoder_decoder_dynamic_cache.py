@@ -71,22 +71,6 @@ def _generate(model, **kwargs) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _all_applied():
-    """Every patch of the overlay, as users get it (quantized-cache-config-copy shares this
-    target on 4.56). Every target module is imported first, so none is patched on import inside
-    the block and left patched for the tests that run next."""
-    import importlib
-
-    from overlay.registry import load_patches
-
-    for module in sorted({target.module for patch in load_patches() for target in patch.targets}):
-        try:
-            importlib.import_module(module)
-        except ImportError:  # a module this release does not have
-            pass
-    return overlay.applied()
-
-
 @pytest.fixture(scope="module")
 def runs():
     """``{(model, mode): {"default", "no cache", "stock", "patched", "overlay", "fired"}}``."""
@@ -109,7 +93,7 @@ def runs():
                 record["fired on default"] = report.fired_actions().get(PATCH_ID, {})
                 record["patched"] = _generate(model, **DYNAMIC, **kwargs)
                 record["fired"] = report.fired_actions().get(PATCH_ID, {})
-            with _all_applied():
+            with overlay.applied():  # every patch, as users get them
                 record["overlay"] = _generate(model, **DYNAMIC, **kwargs)
     return results
 
@@ -127,7 +111,7 @@ def test_engine_status():
 
 def test_layered_with_quantized_cache_config_copy():
     """Both patches of ``_prepare_cache_for_generation`` are in force together where both apply."""
-    with _all_applied() as statuses:
+    with overlay.applied() as statuses:  # every patch, as users get them
         states = {status.id: status.state for status in statuses}
     if AFFECTED:
         assert states[PATCH_ID] == "applied", states
@@ -177,7 +161,7 @@ def test_deeper_decoder_with_the_whole_overlay(kind):
     model = MODELS[kind](decoder_layers=3)
     with overlay.reverted():
         reference = _generate(model, use_cache=False, num_beams=2)
-    with _all_applied():
+    with overlay.applied():  # every patch, as users get them
         assert _generate(model, **DYNAMIC, num_beams=2) == reference
     assert "ids" in reference, reference
 
