@@ -23,6 +23,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "stop_strings_bytes",
     "repetition_penalty_padding",
     "prefix_constrained_return_sequences",
+    "beam_search_logits_width",
     "beam_search_recurrent_cache",
     "static_cache_kv_head_sizes",
     "encoder_repetition_penalty_rows",
