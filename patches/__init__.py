@@ -15,6 +15,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "dynamic_cache_reset",
     "static_cache_zero_kv_shared_layers",
     "chunked_attention_left_padding",
+    "xpu_sdpa_mask_skip",
     "position_ids_advance",
     "decoder_text_config_layers",
     "encoder_decoder_cache_depth",

@@ -37,6 +37,7 @@ RELEASES: tuple[str, ...] = (
     "4.56.2",  # the last release whose caches take an encoder-decoder's depth from the encoder
     "4.57.1",  # the first that sizes them by the decoder (encoder-decoder-cache-depth steps aside)
     "4.57.6",
+    "5.0.0rc0",  # the first that keeps the SDPA mask of a query over a cache on XPU machines
     "5.0.0rc1",  # optimum-executorch's pin
     "5.0.0rc2",  # the last release that overwrites an explicit GenerationConfig's booleans
     "5.0.0rc3",  # the first with generation parameters that default to None ("not set")
