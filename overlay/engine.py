@@ -8,6 +8,11 @@ What it says is what is in force: a target module is judged only once it has exe
 whichever thread executed it: a module still executing in another thread is left pending, and
 its post-import hook judges it), and :func:`status` checks each applied replacement is still the
 object on its owner ("displaced" when someone replaced it since).
+
+This module decides (which patch, when, with what status); the mechanics it calls decide
+nothing and are their own modules: :mod:`overlay.swapping` (swapping a target, layering
+replacements, taking layers off) and :mod:`overlay.import_watch` (waiting for target modules on
+the startup hook's finder).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from . import config
+from .import_watch import ModuleWatch
 
 # The verdict's state words are the engine's too (engine.FIXED_UPSTREAM, ...): re-exported.
 from .patch import (  # noqa: F401
@@ -31,17 +37,16 @@ from .patch import (  # noqa: F401
     FIXED_UPSTREAM,
     NOT_INSTALLED,
     OUT_OF_RANGE,
-    PATCH_MARKER,
     PENDING,
     UNRECOGNISED,
     Patch,
     Target,
-    Variant,
     assess,
     function_of,
     judge_code,
     source_of,
 )
+from .swapping import Swap, below_overlay, carries, describe_object, foreign_code, swap_in, take_off, wraps_replacement
 
 #: The names other modules use; the rest is this module's own.
 __all__ = [
@@ -108,33 +113,10 @@ class PatchStatus:
 
 
 @dataclass
-class _Swap:
-    owner: Any
-    name: str
-    # The raw object found in owner.__dict__ (function, staticmethod, ...) or inherited: the stock
-    # one, or another overlay patch's replacement this one is layered on (see _apply_patch).
-    original: Any
-    replacement: Any
-    # What built the replacement, so that it can be built again onto what is below it once a
-    # patch under it is reverted (_revert_records).
-    target: Target
-    variant: Variant
-    # The owner inherited the original (Target.inherited_from): a revert deletes the replacement
-    # from the owner's namespace instead of putting the original there.
-    inherited: bool = False
-
-    def undo(self) -> None:
-        if self.inherited:
-            delattr(self.owner, self.name)
-        else:
-            setattr(self.owner, self.name, self.original)
-
-
-@dataclass
 class _Record:
     patch: Patch
     status: PatchStatus
-    swaps: list[_Swap] = field(default_factory=list)
+    swaps: list[Swap] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -155,7 +137,7 @@ class Settings:
 
 class _Engine:
     """Everything the engine keeps: the patches, what each one did (records, with the swaps to
-    put back), the settings in force (``None``: not active) and which modules it watches."""
+    put back), the settings in force (``None``: not active) and which modules it waits for."""
 
     def __init__(self, patches: tuple[Patch, ...] | None = None, distribution: str = TRANSFORMERS) -> None:
         self.lock = threading.RLock()
@@ -166,7 +148,7 @@ class _Engine:
         self.version: str | None = None
         self.settings: Settings | None = None
         self.records: dict[str, _Record] = {}
-        self.watching: set[str] = set()  # modules this engine watches on the import finder
+        self.imports = ModuleWatch(_on_module_executed)  # the target modules it waits for
         # Inside reverted(): the watched modules that executed meanwhile (patched when it ends).
         self.suspended: set[str] | None = None
         self.ever_patched: set[str] = set()  # modules this process has patched at least once
@@ -177,9 +159,6 @@ class _Engine:
     @property
     def active(self) -> bool:
         return self.settings is not None
-
-
-_engine = _Engine()
 
 
 # -- the gate -------------------------------------------------------------------------------
@@ -201,37 +180,29 @@ def gate(patch: Patch, installed: str | None) -> tuple[str, str]:
     return verdict.state, verdict.reason
 
 
-# -- resolving and swapping targets -----------------------------------------------------------
-
-
-def _rewrap_like(raw: Any, func: Any) -> Any:
-    if isinstance(raw, staticmethod):
-        return staticmethod(func)
-    if isinstance(raw, classmethod):
-        return classmethod(func)
-    return func
+# -- applying a patch ---------------------------------------------------------------------------
 
 
 def _apply_patch(record: _Record, module: ModuleType) -> bool:
     """Ask :func:`overlay.patch.judge_code` (the code half of ``assess``) about the module's code,
-    then swap every target or none.
+    then swap every target or none (:func:`overlay.swapping.swap_in`).
     Updates ``record.status``; true when this call swapped the targets.
 
     A target that another overlay patch has replaced already is judged by the code under the
     overlay's replacements (transformers' own), and the new replacement wraps the one in place:
     both fixes are in force, each patch's replacement calling the function it was given
-    (layered). :func:`_revert_records` takes such layers off in any order."""
+    (layered). :func:`overlay.swapping.take_off` takes such layers off in any order."""
     patch = record.patch
     located = {target.key: target.locate(module) for target in patch.targets}
     for location in located.values():
-        if location.raw is not None and _carries(function_of(location.raw), patch.id):
+        if location.raw is not None and carries(function_of(location.raw), patch.id):
             # Already ours (re-entrant import, or a second engine copy), possibly under another
             # patch's layer: nothing to do.
             if record.status.state != APPLIED:
                 _set(record, APPLIED, "already applied in this process")
             return False
     # The code each target is judged by: the release's own, under any overlay replacements.
-    judged = {key: None if loc.raw is None else _below_overlay(function_of(loc.raw)) for key, loc in located.items()}
+    judged = {key: None if loc.raw is None else below_overlay(function_of(loc.raw)) for key, loc in located.items()}
 
     def read_source(target: Target) -> str | None:
         func = judged[target.key]
@@ -243,103 +214,17 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
     if verdict.state != APPLIED:
         reason = verdict.reason
         if verdict.state == UNRECOGNISED:
-            reason = _foreign_code(patch, judged) or reason
+            reason = foreign_code(patch, judged) or reason
         _set(record, verdict.state, reason, verdict.labels)
         return False
-
-    swaps: list[_Swap] = []
     try:
-        for match in verdict.matches:
-            if match.variant is None:  # an optional target this release does not have
-                continue
-            owner, name, raw = located[match.target.key]
-            replacement = _build(match.target, match.variant, raw, patch.id)
-            inherited = vars(owner).get(name) is not raw
-            swaps.append(_Swap(owner, name, raw, replacement, match.target, match.variant, inherited))
-        for swap in swaps:
-            setattr(swap.owner, swap.name, swap.replacement)
+        record.swaps = swap_in(patch.id, verdict.matches, located)
     except Exception as exc:  # a patch that raises leaves every target as it was
-        for swap in swaps:
-            if vars(swap.owner).get(swap.name) is swap.replacement:
-                swap.undo()
         _set(record, FAILED, f"{type(exc).__name__}: {exc}")
         return False
-    record.swaps = swaps
     _engine.ever_patched.add(module.__name__)
     _set(record, APPLIED, verdict.reason, verdict.labels)
     return True
-
-
-def _build(target: Target, variant: Variant, raw: Any, patch_id: str) -> Any:
-    """Patch ``patch_id``'s replacement of ``raw`` (what the owner holds: the stock function, or
-    another patch's replacement, which the new one then wraps), marked, wrapped like ``raw``."""
-    original = function_of(raw)
-    new: Any = target.replace(original, variant)  # a function: its attributes are set below
-    if new is original or not callable(new):
-        raise OverlayError(f"replace() of {target.key} returned no new callable")
-    setattr(new, PATCH_MARKER, patch_id)
-    if getattr(new, "__wrapped__", None) is None:
-        new.__wrapped__ = original
-    return _rewrap_like(raw, new)
-
-
-# How far a __wrapped__ chain is followed: a bound on odd __wrapped__ cycles.
-_CHAIN_LIMIT = 32
-
-
-def _overlay_id(func: Any) -> str | None:
-    """The id of the overlay patch whose replacement ``func`` is, or ``None`` for anything else.
-    A foreign wrapper made with ``functools.wraps`` around a replacement copies its ``__dict__``,
-    marker included, so it carries the id of the function it wraps: no replacement does (a patch
-    never wraps its own replacement), so such a wrapper is not counted as one."""
-    marker = getattr(func, PATCH_MARKER, None)
-    if marker is None or getattr(getattr(func, "__wrapped__", None), PATCH_MARKER, None) == marker:
-        return None
-    return marker
-
-
-def _carries(func: Any, patch_id: str) -> bool:
-    """Whether ``func`` is patch ``patch_id``'s replacement or wraps it at any depth (under other
-    patches' layers, or under a wrapper that keeps ``__wrapped__``): the patch is there already."""
-    for _ in range(_CHAIN_LIMIT):
-        if func is None:
-            return False
-        if getattr(func, PATCH_MARKER, None) == patch_id:
-            return True
-        func = getattr(func, "__wrapped__", None)
-    return False
-
-
-def _below_overlay(func: Any) -> Any:
-    """The function under the overlay replacements stacked on ``func`` (``func`` itself where
-    there are none): the code a patch layered on them is judged by. Only the overlay's own
-    replacements are looked through, never a foreign wrapper (that one is judged as it is)."""
-    for _ in range(_CHAIN_LIMIT):
-        inner = getattr(func, "__wrapped__", None)
-        if _overlay_id(func) is None or inner is None:
-            return func
-        func = inner
-    return func
-
-
-def _foreign_code(patch: Patch, judged: dict[str, Any]) -> str | None:
-    """Why a target is unrecognised when another library replaced it before the overlay came (its
-    function is defined outside transformers' module for it): the overlay patches only code it
-    recognises, never over someone else's. ``None`` when every target is transformers' own code.
-    ``judged`` maps each target's key to the function its code was judged by."""
-    for target in patch.targets:
-        func = judged[target.key]
-        if func is None:
-            continue
-        module = getattr(func, "__module__", None)
-        own = {target.module, *([target.inherited_from.partition(":")[0]] if target.inherited_from else [])}
-        if module is not None and module not in own:
-            return (
-                f"{target.key} is {describe_object(func)}, which another library put there before the overlay "
-                "patched: not transformers' code, so not patched (the overlay patches only code it recognises). "
-                f"Its fix, if any, is that library's; ATTN_OVERLAY_DISABLE={patch.id} silences this"
-            )
-    return None
 
 
 def _set(record: _Record, state: str, reason: str, variants: tuple[str, ...] = ()) -> None:
@@ -347,83 +232,11 @@ def _set(record: _Record, state: str, reason: str, variants: tuple[str, ...] = (
 
 
 def _revert_records(records: list[_Record]) -> None:
-    """Take these records' replacements off, in any order: each target gets back the very object
-    the lowest of them replaced. Another patch's replacement layered on one of them (not reverted
-    itself) is taken off with it, then built again onto what is there now: that patch stays
-    applied, over the code below. A replacement someone else covered since (with anything but the
-    overlay's own layers) is left as it is, with a warning."""
-    reverting = {id(record) for record in records}
-    slots: dict[tuple[int, str], list[tuple[_Record, _Swap]]] = {}
-    for record in _engine.records.values():
-        for swap in record.swaps:
-            slots.setdefault((id(swap.owner), swap.name), []).append((record, swap))
-    failed: dict[str, tuple[_Record, str]] = {}  # patch id -> (record, why) of a layer not rebuilt
-    for entries in slots.values():
-        if any(id(record) in reverting for record, _ in entries):
-            _revert_slot(entries, reverting, failed)
-    for record in records:
-        record.swaps = []
-    # All or none, for a patch too: one of its layers could not be rebuilt, so its other
-    # targets are put back as well.
-    for record, reason in failed.values():
-        _revert_records([record])
+    """Take these records' replacements off (:func:`overlay.swapping.take_off`: any order, the
+    layers of patches not reverted stay in force). A patch one of whose layers could not be
+    built again is taken off entirely and fails: all or none, for a patch too."""
+    for record, reason in take_off(list(_engine.records.values()), records):
         _set(record, FAILED, reason)
-
-
-def _revert_slot(entries: list[tuple[_Record, _Swap]], reverting: set[int], failed: dict[str, tuple[_Record, str]]) -> None:
-    """:func:`_revert_records` on one attribute: ``entries`` are every applied swap made there."""
-    owner, name = entries[0][1].owner, entries[0][1].name
-    by_replacement = {id(swap.replacement): (record, swap) for record, swap in entries}
-    # The overlay's layers from the object in place down, each the original of the one above.
-    stack: list[tuple[_Record, _Swap]] = []
-    current = vars(owner).get(name)
-    while id(current) in by_replacement:
-        record, swap = by_replacement.pop(id(current))
-        stack.append((record, swap))
-        current = swap.original
-    for record, _ in by_replacement.values():  # not reached from the object in place
-        if id(record) in reverting:
-            logger.warning(
-                "attn-overlay: %s.%s was replaced by someone else after the overlay patched it; left as it is",
-                getattr(owner, "__qualname__", owner),
-                name,
-            )
-    lowest = max((i for i, (record, _) in enumerate(stack) if id(record) in reverting), default=None)
-    if lowest is None:
-        return
-    for _, swap in stack[: lowest + 1]:  # from the top: each puts back the layer below it
-        swap.undo()
-    for record, swap in reversed(stack[:lowest]):  # the layers kept, from the bottom up
-        if id(record) not in reverting:
-            _relayer(record, swap, failed)
-
-
-def _relayer(record: _Record, swap: _Swap, failed: dict[str, tuple[_Record, str]]) -> None:
-    """Build ``swap``'s replacement again onto what its attribute holds now (the same variant: the
-    code under the overlay, which it was judged by, is unchanged), in ``record.swaps``."""
-    raw = _raw_on(swap.owner, swap.name)
-    try:
-        if raw is None:
-            raise OverlayError(f"{swap.target.key} is gone")
-        replacement = _build(swap.target, swap.variant, raw, record.patch.id)
-    except Exception as exc:
-        record.swaps = [s for s in record.swaps if s is not swap]
-        failed[record.patch.id] = (record, f"{type(exc).__name__} while layering it again after a revert under it: {exc}")
-        return
-    layered = _Swap(swap.owner, swap.name, raw, replacement, swap.target, swap.variant, swap.name not in vars(swap.owner))
-    setattr(swap.owner, swap.name, replacement)
-    record.swaps = [layered if s is swap else s for s in record.swaps]
-
-
-def _raw_on(owner: Any, name: str) -> Any:
-    """What ``owner`` holds for ``name``: its own ``__dict__`` entry, or else what a class
-    inherits (as :meth:`overlay.patch.Target.locate` finds it). ``None`` when neither."""
-    raw = vars(owner).get(name)
-    if raw is None and isinstance(owner, type):
-        for base in owner.__mro__[1:]:
-            if name in vars(base):
-                return vars(base)[name]
-    return raw
 
 
 # -- registry ------------------------------------------------------------------------------
@@ -475,6 +288,10 @@ def _on_module_executed(module: ModuleType) -> None:
             raise _strict_error("; ".join(problems))
 
 
+# This process's engine, made here: its import watch needs the callback above.
+_engine = _Engine()
+
+
 def _strict() -> bool:
     """Whether the settings in force ask for strict mode (``False`` when not active)."""
     return _engine.settings is not None and _engine.settings.strict
@@ -486,7 +303,7 @@ def _forget_reexecuted(module: ModuleType) -> None:
         if record.patch.module != module.__name__ or record.status.state != APPLIED or not record.swaps:
             continue
         current = [target.locate(module).raw for target in record.patch.targets]
-        if all(raw is None or _carries(function_of(raw), record.patch.id) for raw in current):
+        if all(raw is None or carries(function_of(raw), record.patch.id) for raw in current):
             continue
         record.swaps = []  # the owners are the old module's objects: nothing to put back there
         _set(record, PENDING, f"{module.__name__} was executed again (reload); patching the new code")
@@ -532,16 +349,6 @@ def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> l
     return problems
 
 
-def _has_executed(name: str, module: ModuleType, finder: Any) -> bool:
-    """Whether ``module`` (in sys.modules, not executing through the finder now) has executed to
-    the end: through the finder (which knows), or else as the import system says (a module still
-    executing in another thread, imported before the finder watched it, is ``_initializing``)."""
-    executed = getattr(finder, "executed", None)  # a finder of an older attn-overlay has none
-    if executed is not None and executed(name):
-        return True
-    return not getattr(getattr(module, "__spec__", None), "_initializing", False)
-
-
 def _activate(settings: Settings, only: Iterable[str] | None, *, from_startup: bool = False) -> None:
     """Activate with ``settings`` (the caller decided them: nothing is read here)."""
     with _engine.lock:
@@ -565,7 +372,9 @@ def _activate(settings: Settings, only: Iterable[str] | None, *, from_startup: b
                 continue
             if record is None or record.status.state in (INACTIVE, DISABLED):
                 _engine.records[patch.id] = _initial_record(patch, _engine.version, settings.disabled)
-        finder, executing = _watch_pending()
+        executing = _engine.imports.watch(
+            {r.patch.module for r in _engine.records.values() if r.status.state == PENDING}
+        )
         if config.report_at_exit():
             from . import report
 
@@ -575,7 +384,7 @@ def _activate(settings: Settings, only: Iterable[str] | None, *, from_startup: b
             module = sys.modules.get(name)
             if module is None or name in executing:
                 continue  # not imported yet, or executing now: judged by its post-import hook
-            if not _has_executed(name, module, finder):
+            if not _engine.imports.has_executed(name, module):
                 _leave_pending(name, (
                     f"{name} was still executing in another thread when the overlay was activated, "
                     "without the overlay's import hook; call overlay.apply() again once it is imported"
@@ -618,31 +427,6 @@ def _leave_pending(module_name: str, reason: str) -> None:
     for record in _engine.records.values():
         if record.patch.module == module_name and record.status.state == PENDING:
             _set(record, PENDING, reason)
-
-
-def _watch_pending() -> tuple[Any, set[str]]:
-    """Watch every pending patch's module; returns the finder and the modules executing through it
-    right now (their post-import hook, the engine's among them, judges them once executed)."""
-    import _attn_overlay_startup as startup
-
-    finder = startup.ensure_finder()
-    executing: set[str] = set()
-    for name in sorted({r.patch.module for r in _engine.records.values() if r.status.state == PENDING}):
-        # Asked even when watched already: "executing now?" is read with the watch, in one step.
-        if finder.watch(name, _on_module_executed):
-            executing.add(name)
-        _engine.watching.add(name)
-    return finder, executing
-
-
-def _unwatch_all() -> None:
-    import _attn_overlay_startup as startup
-
-    finder = startup.finder()
-    if finder is not None:
-        for name in _engine.watching:
-            finder.unwatch(name, _on_module_executed)
-    _engine.watching.clear()
 
 
 def activate_from_startup(module: ModuleType | None = None) -> None:
@@ -718,7 +502,7 @@ def revert(only: Iterable[str] | None = None) -> list[PatchStatus]:
             _set(record, INACTIVE, "reverted")
         if all(r.status.state == INACTIVE for r in _engine.records.values()):
             _engine.settings = None
-            _unwatch_all()
+            _engine.imports.unwatch_all()
         return status()
 
 
@@ -753,7 +537,7 @@ def _in_force(record: _Record) -> PatchStatus:
         return status
     for swap in record.swaps:
         current = vars(swap.owner).get(swap.name)
-        if current is swap.replacement or _wraps(current, swap.replacement):
+        if current is swap.replacement or wraps_replacement(current, swap.replacement):
             continue
         where = f"{getattr(swap.owner, '__module__', '?')}:{getattr(swap.owner, '__qualname__', swap.owner)}.{swap.name}"
         who = describe_object(current)
@@ -765,29 +549,6 @@ def _in_force(record: _Record) -> PatchStatus:
             "or do not install the other)"
         ))
     return status
-
-
-def _wraps(current: Any, replacement: Any) -> bool:
-    """Whether ``current`` wraps ``replacement`` (``functools.wraps``' ``__wrapped__`` chain)."""
-    target = function_of(replacement)
-    func = function_of(current)
-    for _ in range(_CHAIN_LIMIT):
-        func = getattr(func, "__wrapped__", None)
-        if func is None:
-            return False
-        if func is target:
-            return True
-    return False
-
-
-def describe_object(obj: Any) -> str:
-    """``module.qualname`` of a function found on a class or module (``"nothing"`` when gone)."""
-    if obj is None:
-        return "nothing (the attribute was deleted)"
-    func = function_of(obj)
-    module = getattr(func, "__module__", None) or "?"
-    name = getattr(func, "__qualname__", None) or type(func).__qualname__
-    return f"{module}.{name}"
 
 
 def is_active() -> bool:
@@ -879,15 +640,8 @@ def isolated(patches: Iterable[Patch], *, distribution: str = TRANSFORMERS) -> I
     finally:
         with fresh.lock:
             revert()
-            _unwatch_all()
+            fresh.imports.unwatch_all()
         _engine = previous
         with previous.lock:
             # Both engines watch through the same callback: put back what the fresh one removed.
-            watching, previous.watching = set(previous.watching), set()
-            if watching:
-                import _attn_overlay_startup as startup
-
-                finder = startup.ensure_finder()
-                for name in watching:
-                    finder.watch(name, _on_module_executed)
-                previous.watching = watching
+            previous.imports.rewatch()

@@ -1,15 +1,18 @@
 """The import drawing of the package: every arrow runs down a floor, never along one or back up.
 
 Floors, top to bottom:
-  11 ``overlay/__init__`` (the public API facade), ``overlay/apply.py`` and ``__main__`` (``-m`` entries),
+  12 ``overlay/__init__`` (the public API facade), ``overlay/apply.py`` and ``__main__`` (``-m`` entries),
      and the pytest entry point ``_attn_overlay_pytest``
-  10 the command line and the pytest plugin: ``overlay.cli``, ``overlay.pytest_plugin``
-  9  the install check: ``overlay.install_check`` (the report, and whether the startup hook
+  11 the command line and the pytest plugin: ``overlay.cli``, ``overlay.pytest_plugin``
+  10 the install check: ``overlay.install_check`` (the report, and whether the startup hook
      activates the overlay) and the child program it runs by path, ``overlay._verify_child``
-  8  the bug-report block: ``overlay.environment``
-  7  the doctor: ``overlay.doctor``
-  6  the test kit: ``overlay.testing``
-  5  the engine: ``overlay.engine`` (gates, applies, reverts: knows no single patch)
+  9  the bug-report block: ``overlay.environment``
+  8  the doctor: ``overlay.doctor``
+  7  the test kit: ``overlay.testing``
+  6  the engine: ``overlay.engine`` (gates, applies, reverts: knows no single patch)
+  5  the engine's mechanics, which decide nothing: ``overlay.swapping`` (swapping a target for a
+     replacement, layering replacements and taking layers off) and ``overlay.import_watch``
+     (waiting for target modules on the startup hook's finder)
   4  the registry: ``overlay.registry`` (which patch files ship)
   3  the patch files: ``overlay.patches`` (data and replacements; they import leaves only)
   2  the release facts: ``overlay.releases`` (builds a patch file's ``PATCH`` from ``patches/releases.json``)
@@ -32,13 +35,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 FLOORS = {
-    "overlay": 11, "overlay.apply": 11, "overlay.__main__": 11, "_attn_overlay_pytest": 11,
-    "overlay.cli": 10, "overlay.pytest_plugin": 10,
-    "overlay.install_check": 9, "overlay._verify_child": 9,
-    "overlay.environment": 8,
-    "overlay.doctor": 7,
-    "overlay.testing": 6,
-    "overlay.engine": 5,
+    "overlay": 12, "overlay.apply": 12, "overlay.__main__": 12, "_attn_overlay_pytest": 12,
+    "overlay.cli": 11, "overlay.pytest_plugin": 11,
+    "overlay.install_check": 10, "overlay._verify_child": 10,
+    "overlay.environment": 9,
+    "overlay.doctor": 8,
+    "overlay.testing": 7,
+    "overlay.engine": 6,
+    "overlay.swapping": 5, "overlay.import_watch": 5,
     "overlay.registry": 4,
     "overlay.patches": 3,
     "overlay.releases": 2,
@@ -174,6 +178,8 @@ def test_what_the_import_hook_loads_imports_no_torch_or_transformers_module():
         loaded_by_the_hook.add(name)
         pending.extend(imported for imported, _ in _module_level_imports(name, *modules[name]) if imported.startswith("overlay"))
     assert {"overlay.patches.kv_cache_dtype", "overlay.patch", "overlay.guard", "overlay._patch_files", "overlay.releases"} <= loaded_by_the_hook
+    # Split out of overlay.engine, which imports them when it is loaded: the hook loads them too.
+    assert {"overlay.swapping", "overlay.import_watch"} <= loaded_by_the_hook
     assert "overlay.tree_move" not in loaded_by_the_hook
     found = [
         f"{modules[name][0].relative_to(REPO)}:{line}: {imported}"
