@@ -51,6 +51,11 @@ __all__ = [
     "dynamic_cache",
     "static_cache",
     "cache_of_layers",
+    "SEQ2SEQ_KINDS",
+    "tiny_seq2seq",
+    "seq2seq_outcome",
+    "greedy_outcome",
+    "user_static_cache",
 ]
 
 #: Model kinds :func:`tiny_config` knows.
@@ -223,19 +228,36 @@ def on_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
     return {name: value.to(device) for name, value in batch.items()}
 
 
-def greedy_ids(model: Any, inputs: dict[str, Any], max_new_tokens: int, **generate_kwargs: Any) -> list[list[int]]:
+def greedy_ids(
+    model: Any, inputs: dict[str, Any], max_new_tokens: int, *, reuse_kept_cache: bool = False, **generate_kwargs: Any
+) -> list[list[int]]:
     """Greedy ``generate()`` without gradients or torch.compile, pad id :data:`PAD_TOKEN_ID`;
     the sequences as lists of ids on the host. A static cache that releases up to 5.14.x keep on
-    the model from an earlier call is dropped first, so every call starts clean."""
+    the model from an earlier call is dropped first, so every call starts clean; with
+    ``reuse_kept_cache`` it stays, for tests of what generate() does with the cache it kept."""
     import torch
 
-    vars(model).pop("_cache", None)
+    if not reuse_kept_cache:
+        vars(model).pop("_cache", None)
     kwargs: dict[str, Any] = dict(do_sample=False, disable_compile=True, pad_token_id=PAD_TOKEN_ID)
     kwargs.update(generate_kwargs)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, **kwargs)
     sequences = out.sequences if hasattr(out, "sequences") else out
     return sequences.cpu().tolist()
+
+
+def greedy_outcome(model: Any, inputs: dict[str, Any], max_new_tokens: int, **generate_kwargs: Any) -> dict[str, Any]:
+    """:func:`greedy_ids`, or what it raised, for tests that compare a stock failure with the
+    overlay's ids: ``{"ok": True, "ids": ...}``, or ``{"ok": False, "type": <exception class
+    name>, "error": <message>, "raised in": <the function the exception left from>}``."""
+    import traceback
+
+    try:
+        return {"ok": True, "ids": greedy_ids(model, inputs, max_new_tokens, **generate_kwargs)}
+    except Exception as exc:  # noqa: BLE001  (the tests read which one)
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        return {"ok": False, "type": type(exc).__name__, "error": str(exc), "raised in": frame.name}
 
 
 def hand_padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,6 +328,19 @@ def static_cache(config: Any, batch_size: int, max_cache_len: int, dtype: Any, d
     return StaticCache(config=config, max_batch_size=batch_size, max_cache_len=max_cache_len, dtype=dtype, device=device)
 
 
+def user_static_cache(config: Any, batch_size: int, max_cache_len: int, dtype: Any, device: Any = "cpu"):
+    """A ``StaticCache`` for ``config`` as users build one ahead of ``generate()``:
+    ``StaticCache(config=, max_cache_len=)``, whose layers allocate on their first write (4.56.0
+    on: each layer takes its head count and head size from the keys and values written to it;
+    ``batch_size``, ``dtype`` and ``device`` go unused); on 4.55.x, whose constructor allocates
+    the buffers and needs them, :func:`static_cache`."""
+    from transformers import StaticCache
+
+    if hasattr(StaticCache, "early_initialization"):
+        return StaticCache(config=config, max_cache_len=max_cache_len)
+    return static_cache(config, batch_size, max_cache_len, dtype, device)
+
+
 def cache_of_layers(layers: Sequence[Any]):
     """A bare ``Cache`` holding exactly ``layers`` (layer objects): ``Cache(layers=...)`` from
     4.56.0 on; on 4.55.x a ``Cache`` built with one ``DynamicLayer`` (no config, no processor)
@@ -320,6 +355,69 @@ def cache_of_layers(layers: Sequence[Any]):
     cache.layers[:] = list(layers)
     cache.layer_classes = [type(layer) for layer in layers]
     return cache
+
+
+# -- encoder-decoder models whose decoder depth is their own (T5, BART) -----------------------------
+# The encoder-decoder patches' tests (decoder-text-config-layers, encoder-decoder-cache-depth,
+# encoder-decoder-dynamic-cache) build a decoder deeper or shallower than the encoder, and compare a
+# stock failure with the overlay's ids on one batch.
+
+#: Encoder-decoder kinds :func:`tiny_seq2seq` knows.
+SEQ2SEQ_KINDS = ("t5", "bart")
+#: Larger weights than the releases' defaults (T5's ``initializer_factor`` 1.0, BART's ``init_std``
+#: 0.02), so a tiny model's greedy ids vary from step to step and comparisons tell runs apart.
+T5_INITIALIZER_FACTOR = 8.0
+BART_INIT_STD = 0.2
+#: The tokens :func:`seq2seq_outcome` generates.
+SEQ2SEQ_NEW_TOKENS = 6
+
+
+def tiny_seq2seq(kind: str, encoder_layers: int = 2, decoder_layers: int = 2, *, seed: int = 0):
+    """A randomly initialised tiny encoder-decoder model of ``kind`` (one of :data:`SEQ2SEQ_KINDS`)
+    with ``encoder_layers`` and ``decoder_layers`` layers, float32 on the CPU, built as
+    :func:`tiny_model` builds the other kinds: weights from ``seed``, eval mode, greedy, pad id
+    :data:`PAD_TOKEN_ID`; the release's default attention (5.13's T5 has no sdpa).
+
+    ``"t5"``: ``T5ForConditionalGeneration`` of :func:`tiny_config` ``("t5", num_hidden_layers=
+    encoder_layers, num_decoder_layers=decoder_layers, initializer_factor=T5_INITIALIZER_FACTOR)``
+    (hidden 64, 4 heads of 16, feed-forward 128, vocabulary 128; decoding starts at the pad token).
+    ``"bart"``: ``BartForConditionalGeneration`` of ``BartConfig(vocab_size=128, d_model=32,
+    encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4,
+    encoder_layers=, decoder_layers=, max_position_embeddings=64, init_std=BART_INIT_STD)``; its
+    config keeps BART's own special ids (pad 1, bos 0, eos 2, decoding starts at 2): the attention
+    mask, not the id, marks :func:`left_padded_batch`'s padding.
+
+    Every lane from 4.55.4 to 5.25.0 accepts both configs, with any depths (a decoder deeper than
+    its encoder included), and generates from them without a cache; whether a cached run does is
+    what the encoder-decoder patches are about.
+    """
+    import transformers
+
+    if kind == "t5":
+        return tiny_model(
+            "t5", attn_implementation=None, seed=seed, num_hidden_layers=encoder_layers,
+            num_decoder_layers=decoder_layers, initializer_factor=T5_INITIALIZER_FACTOR,
+        )
+    if kind == "bart":
+        config = transformers.BartConfig(
+            vocab_size=128, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
+            max_position_embeddings=64, init_std=BART_INIT_STD,
+        )
+        return _built_like_tiny_model(
+            transformers.BartForConditionalGeneration, config, seed=seed, attn_implementation=None
+        )
+    raise ValueError(f"unknown encoder-decoder kind {kind!r}; known: {', '.join(SEQ2SEQ_KINDS)}")
+
+
+def seq2seq_outcome(model: Any, **generate_kwargs: Any) -> dict[str, Any]:
+    """What one greedy run of ``model`` on the encoder-decoder tests' batch (:func:`left_padded_batch`
+    of 7 and 5 tokens, ``seed`` 3) gives: ``{"ids": ...}`` (:func:`greedy_ids`,
+    :data:`SEQ2SEQ_NEW_TOKENS` new tokens; ``generate_kwargs`` go there, ``reuse_kept_cache``
+    too), or ``{"error": "<type>: <message>"}`` when it raises: the tests compare a stock failure
+    with the overlay's ids and read which error it was."""
+    run = greedy_outcome(model, left_padded_batch((7, 5), seed=3), SEQ2SEQ_NEW_TOKENS, **generate_kwargs)
+    return {"ids": run["ids"]} if run["ok"] else {"error": f"{run['type']}: {run['error']}"}
 
 
 # -- GPT-2: learned absolute position embeddings ------------------------------------------------

@@ -197,16 +197,12 @@ def _generate(model, batch, max_new_tokens=MAX_NEW_TOKENS, **kwargs) -> dict:
 
 
 def _user_static_cache(model, batch_size: int):
-    """A fresh ``StaticCache`` of :data:`USER_CACHE_LENGTH` slots, as a user builds one: lazily
-    allocated (4.56.0 on); 4.55.x allocates in the constructor, which needs the batch size."""
+    """A fresh ``StaticCache`` of :data:`USER_CACHE_LENGTH` slots, as a user builds one."""
     import torch
-    from transformers import StaticCache
 
-    from overlay.testing.models import static_cache
+    from overlay.testing.models import user_static_cache
 
-    if hasattr(StaticCache, "early_initialization"):
-        return StaticCache(config=model.config, max_cache_len=USER_CACHE_LENGTH)
-    return static_cache(model.config, batch_size, USER_CACHE_LENGTH, torch.float32)
+    return user_static_cache(model.config, batch_size, USER_CACHE_LENGTH, torch.float32)
 
 
 def _case_kwargs(case: str, model, batch_size: int) -> dict:

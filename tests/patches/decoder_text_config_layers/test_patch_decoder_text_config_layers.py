@@ -26,6 +26,7 @@ from packaging.version import Version
 import overlay
 from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
+from overlay.testing.models import seq2seq_outcome, tiny_seq2seq
 
 PATCH = PatchUnderTest("decoder_text_config_layers")
 
@@ -39,7 +40,6 @@ CACHES_READ_THE_WHOLE_CONFIG = Version("4.56.0") <= PATCH.transformers < Version
 #: 5.0.0rc0 - 5.0.x leave the default cache to the model, which grows it layer by layer (read in
 #: the wheels: 5.1.0's generate() builds it from the config again).
 MODEL_GROWS_THE_DEFAULT_CACHE = Version("5.0.0rc0") <= PATCH.transformers < Version("5.1.0")
-MAX_NEW_TOKENS = 6
 #: (encoder layers, decoder layers): deeper, equal and shallower decoders.
 DEPTHS = {"deeper decoder": (2, 3), "equal": (2, 2), "shallower decoder": (3, 2)}
 MODES = {
@@ -47,27 +47,6 @@ MODES = {
     "static cache": {"cache_implementation": "static"},
     "beam search": {"num_beams": 2},
 }
-#: Larger weights than T5's default, so the tiny model's ids vary from step to step.
-INITIALIZER_FACTOR = 8.0
-
-
-def _t5(encoder_layers: int, decoder_layers: int):
-    from overlay.testing.models import tiny_model
-
-    return tiny_model(
-        "t5", attn_implementation=None, num_hidden_layers=encoder_layers,
-        num_decoder_layers=decoder_layers, initializer_factor=INITIALIZER_FACTOR,
-    )
-
-
-def _generate(model, **kwargs) -> dict:
-    from overlay.testing.models import greedy_ids, left_padded_batch
-
-    batch = left_padded_batch((7, 5), seed=3)
-    try:
-        return {"ids": greedy_ids(model, batch, MAX_NEW_TOKENS, **kwargs)}
-    except Exception as exc:  # noqa: BLE001  (the tests read which one)
-        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +56,14 @@ def runs():
 
     results = {}
     for depth, (encoder_layers, decoder_layers) in DEPTHS.items():
-        model = _t5(encoder_layers, decoder_layers)
+        model = tiny_seq2seq("t5", encoder_layers, decoder_layers)
         for mode, kwargs in MODES.items():
             record = results[depth, mode] = {}
             with overlay.reverted():
-                record["reference"] = _generate(model, use_cache=False, **kwargs)
-                record["stock"] = _generate(model, **kwargs)
+                record["reference"] = seq2seq_outcome(model, use_cache=False, **kwargs)
+                record["stock"] = seq2seq_outcome(model, **kwargs)
             with PATCH.applied():
-                record["patched"] = _generate(model, **kwargs)
+                record["patched"] = seq2seq_outcome(model, **kwargs)
     return results
 
 
@@ -148,21 +127,15 @@ def test_bart_deeper_decoder_fails_on_4_56_as_stock():
     """The limit the docs state: 4.56.x sizes BART's caches from the encoder too (fixed there by
     encoder-decoder-cache-depth); upstream fixed that in 4.57 (the caches ask for the decoder text
     config), which this patch then completes."""
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    config = BartConfig(
-        vocab_size=128, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_layers=2, decoder_layers=3, max_position_embeddings=64,
-    )
-    model = BartForConditionalGeneration(config).eval()
+    model = tiny_seq2seq("bart", 2, 3)
     with PATCH.applied() as statuses:
         assert statuses[PATCH.id].state == "out of range"
-        assert _generate(model) == {"error": f"IndexError: {INDEX_ERROR}"}
+        assert seq2seq_outcome(model) == {"error": f"IndexError: {INDEX_ERROR}"}
 
 
 def test_reference_ids_vary():
     """The comparison can tell runs apart: the reference rows are not one repeated token."""
-    ids = _generate(_t5(2, 3), use_cache=False)["ids"]
+    ids = seq2seq_outcome(tiny_seq2seq("t5", 2, 3), use_cache=False)["ids"]
     assert any(len(set(row[1:])) > 2 for row in ids), ids
 
 
@@ -199,9 +172,9 @@ def test_report_counts_what_it_changed():
 
     report.reset()
     with PATCH.applied():
-        _generate(_t5(2, 2))
+        seq2seq_outcome(tiny_seq2seq("t5", 2, 2))
         equal = report.fired().get(PATCH.id, 0)
-        _generate(_t5(2, 3))
+        seq2seq_outcome(tiny_seq2seq("t5", 2, 3))
         deeper = report.fired().get(PATCH.id, 0)
     assert equal == 0
     assert (deeper > 0) == PATCH.affected

@@ -25,6 +25,7 @@ import overlay
 from overlay import _patch_files, engine
 from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
+from overlay.testing.models import SEQ2SEQ_KINDS, seq2seq_outcome, tiny_seq2seq
 
 PATCH = PatchUnderTest("encoder_decoder_cache_depth")
 
@@ -37,7 +38,6 @@ T5_DEPTH_IS_THE_OTHER_PATCH = (
     engine.gate(_patch_files.module("decoder_text_config_layers").PATCH, str(PATCH.transformers))[0]
     == engine.PENDING
 )
-MAX_NEW_TOKENS = 6
 #: (encoder layers, decoder layers): deeper, equal and shallower decoders.
 DEPTHS = {"deeper decoder": (2, 3), "equal": (2, 2), "shallower decoder": (3, 2)}
 MODES = {
@@ -46,53 +46,6 @@ MODES = {
     "beam search": {"num_beams": 2},
     "static beam search": {"cache_implementation": "static", "num_beams": 2},
 }
-#: Larger weights than the defaults, so the tiny models' ids vary from step to step.
-T5_INITIALIZER_FACTOR = 8.0
-BART_INIT_STD = 0.2
-
-
-def _t5(encoder_layers: int, decoder_layers: int):
-    from overlay.testing.models import tiny_model
-
-    return tiny_model(
-        "t5", attn_implementation=None, num_hidden_layers=encoder_layers,
-        num_decoder_layers=decoder_layers, initializer_factor=T5_INITIALIZER_FACTOR,
-    )
-
-
-def _bart(encoder_layers: int, decoder_layers: int):
-    import torch
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    config = BartConfig(
-        vocab_size=128, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
-        max_position_embeddings=64, init_std=BART_INIT_STD,
-    )
-    torch.manual_seed(0)
-    return BartForConditionalGeneration(config).eval()
-
-
-MODELS = {"t5": _t5, "bart": _bart}
-
-
-def _generate(model, keep_cache: bool = False, **kwargs) -> dict:
-    import torch
-
-    from overlay.testing.models import PAD_TOKEN_ID, greedy_ids, left_padded_batch
-
-    batch = left_padded_batch((7, 5), seed=3)
-    try:
-        if not keep_cache:  # greedy_ids drops a kept static cache first
-            return {"ids": greedy_ids(model, batch, MAX_NEW_TOKENS, **kwargs)}
-        with torch.no_grad():
-            out = model.generate(
-                **batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, disable_compile=True,
-                pad_token_id=PAD_TOKEN_ID, **kwargs,
-            )
-        return {"ids": out.tolist()}
-    except Exception as exc:  # noqa: BLE001  (the tests read which one)
-        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 @pytest.fixture(scope="module")
@@ -101,23 +54,23 @@ def runs():
     import transformers.cache_utils  # noqa: F401  (the patch's module, so the engine judges it)
 
     results = {}
-    for kind, build in MODELS.items():
+    for kind in SEQ2SEQ_KINDS:
         for depth, (encoder_layers, decoder_layers) in DEPTHS.items():
-            model = build(encoder_layers, decoder_layers)
+            model = tiny_seq2seq(kind, encoder_layers, decoder_layers)
             for mode, kwargs in MODES.items():
                 record = results[kind, depth, mode] = {}
                 with overlay.reverted():
-                    record["reference"] = _generate(model, use_cache=False, **kwargs)
-                    record["stock"] = _generate(model, **kwargs)
+                    record["reference"] = seq2seq_outcome(model, use_cache=False, **kwargs)
+                    record["stock"] = seq2seq_outcome(model, **kwargs)
                 with PATCH.applied():
-                    record["patched"] = _generate(model, **kwargs)
+                    record["patched"] = seq2seq_outcome(model, **kwargs)
                 with overlay.applied():  # every patch, as users get them
-                    record["overlay"] = _generate(model, **kwargs)
+                    record["overlay"] = seq2seq_outcome(model, **kwargs)
     return results
 
 
 CASES = pytest.mark.parametrize(
-    "kind,depth,mode", [(k, d, m) for k in MODELS for d in DEPTHS for m in MODES]
+    "kind,depth,mode", [(k, d, m) for k in SEQ2SEQ_KINDS for d in DEPTHS for m in MODES]
 )
 
 
@@ -173,14 +126,14 @@ def test_whole_overlay_gives_the_reference_on_every_release(runs, kind, depth, m
     assert runs[kind, depth, mode]["overlay"] == runs[kind, depth, mode]["reference"]
 
 
-@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
 def test_reference_ids_vary(runs, kind):
     """The comparisons can tell runs apart: a reference row is not one repeated token."""
     ids = runs[kind, "deeper decoder", "default cache"]["reference"]["ids"]
     assert any(len(set(row[1:])) > 2 for row in ids), ids
 
 
-@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
 def test_static_cache_gives_the_default_cache_ids(runs, kind):
     """With the overlay (on 4.56 this patch, on 4.57 and later decoder-text-config-layers for T5)."""
     for depth in DEPTHS:
@@ -189,18 +142,18 @@ def test_static_cache_gives_the_default_cache_ids(runs, kind):
 
 
 @pytest.mark.parametrize("depth", ["deeper decoder", "shallower decoder"])
-@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
 def test_a_kept_static_cache_serves_the_next_call(kind, depth):
     """A static cache generate() keeps on the model (and resets) has grown once, for good; a
     shallower decoder's never-filled layer survives the reset."""
     encoder_layers, decoder_layers = DEPTHS[depth]
-    model = MODELS[kind](encoder_layers, decoder_layers)
+    model = tiny_seq2seq(kind, encoder_layers, decoder_layers)
     with overlay.reverted():
-        reference = _generate(model, use_cache=False)
+        reference = seq2seq_outcome(model, use_cache=False)
     vars(model).pop("_cache", None)
     with overlay.applied():  # every patch, as users get them
-        first = _generate(model, keep_cache=True, cache_implementation="static")
-        second = _generate(model, keep_cache=True, cache_implementation="static")
+        first = seq2seq_outcome(model, reuse_kept_cache=True, cache_implementation="static")
+        second = seq2seq_outcome(model, reuse_kept_cache=True, cache_implementation="static")
     assert first == second == reference
     cache = vars(model).get("_cache")
     if PATCH.affected and cache is not None and depth == "deeper decoder":
@@ -208,14 +161,14 @@ def test_a_kept_static_cache_serves_the_next_call(kind, depth):
 
 
 @pytest.mark.skipif(not PATCH.affected, reason="4.56.x only: the stock caches of a shallower decoder")
-@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
 def test_a_shallower_decoder_leaves_one_cache_layer_empty(kind):
     """Stock sizes the caches of a 3-encoder, 2-decoder model with 3 layers: the third is never
     filled and allocates nothing (a static layer allocates on its first update); the ids are the
     reference's (test_stock). Harmless, so left as it is."""
-    model = MODELS[kind](3, 2)
+    model = tiny_seq2seq(kind, 3, 2)
     with overlay.reverted():
-        assert "ids" in _generate(model, keep_cache=True, cache_implementation="static")
+        assert "ids" in seq2seq_outcome(model, reuse_kept_cache=True, cache_implementation="static")
     cache = vars(model).pop("_cache")
     for half in (cache.self_attention_cache, cache.cross_attention_cache):
         assert len(half.layers) in (2, 3)
@@ -260,10 +213,10 @@ def test_report_counts_what_it_changed():
 
     report.reset()
     with PATCH.applied():
-        _generate(_t5(2, 2))
-        _generate(_bart(3, 2), cache_implementation="static")
+        seq2seq_outcome(tiny_seq2seq("t5", 2, 2))
+        seq2seq_outcome(tiny_seq2seq("bart", 3, 2), cache_implementation="static")
         unchanged = report.fired().get(PATCH.id, 0)
-        _generate(_bart(2, 3))
+        seq2seq_outcome(tiny_seq2seq("bart", 2, 3))
         deeper = report.fired().get(PATCH.id, 0)
     assert unchanged == 0
     assert (deeper > 0) == PATCH.affected

@@ -18,6 +18,7 @@ import pytest
 
 import overlay
 from overlay.testing.harness import PatchUnderTest
+from overlay.testing.models import SEQ2SEQ_KINDS, seq2seq_outcome, tiny_seq2seq
 
 PATCH = PatchUnderTest("encoder_decoder_dynamic_cache")
 PATCH.skip_module_unless_covered()
@@ -28,47 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 UNBOUND = f"UnboundLocalError: {PATCH.error('is_updated')}"
 ACTION = PATCH.patch_module.ACTION
-MAX_NEW_TOKENS = 6
 MODES = {"greedy": {}, "beam search": {"num_beams": 2}}
 DYNAMIC = {"cache_implementation": "dynamic"}
-#: Larger weights than the defaults, so the tiny models' ids vary from step to step.
-T5_INITIALIZER_FACTOR = 8.0
-BART_INIT_STD = 0.2
-
-
-def _t5(decoder_layers: int = 2):
-    from overlay.testing.models import tiny_model
-
-    return tiny_model(
-        "t5", attn_implementation=None, num_hidden_layers=2, num_decoder_layers=decoder_layers,
-        initializer_factor=T5_INITIALIZER_FACTOR,
-    )
-
-
-def _bart(decoder_layers: int = 2):
-    import torch
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    config = BartConfig(
-        vocab_size=128, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_layers=2, decoder_layers=decoder_layers,
-        max_position_embeddings=64, init_std=BART_INIT_STD,
-    )
-    torch.manual_seed(0)
-    return BartForConditionalGeneration(config).eval()
-
-
-MODELS = {"t5": _t5, "bart": _bart}
-
-
-def _generate(model, **kwargs) -> dict:
-    from overlay.testing.models import greedy_ids, left_padded_batch
-
-    batch = left_padded_batch((7, 5), seed=3)
-    try:
-        return {"ids": greedy_ids(model, batch, MAX_NEW_TOKENS, **kwargs)}
-    except Exception as exc:  # noqa: BLE001  (the tests read which one)
-        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 @pytest.fixture(scope="module")
@@ -79,26 +41,26 @@ def runs():
     from overlay import report
 
     results = {}
-    for kind, build in MODELS.items():
-        model = build()
+    for kind in SEQ2SEQ_KINDS:
+        model = tiny_seq2seq(kind)
         for mode, kwargs in MODES.items():
             record = results[kind, mode] = {}
             with overlay.reverted():
-                record["default"] = _generate(model, **kwargs)
-                record["no cache"] = _generate(model, use_cache=False, **kwargs)
-                record["stock"] = _generate(model, **DYNAMIC, **kwargs)
+                record["default"] = seq2seq_outcome(model, **kwargs)
+                record["no cache"] = seq2seq_outcome(model, use_cache=False, **kwargs)
+                record["stock"] = seq2seq_outcome(model, **DYNAMIC, **kwargs)
             with PATCH.applied():
                 report.reset()
-                record["patched default"] = _generate(model, **kwargs)
+                record["patched default"] = seq2seq_outcome(model, **kwargs)
                 record["fired on default"] = report.fired_actions().get(PATCH_ID, {})
-                record["patched"] = _generate(model, **DYNAMIC, **kwargs)
+                record["patched"] = seq2seq_outcome(model, **DYNAMIC, **kwargs)
                 record["fired"] = report.fired_actions().get(PATCH_ID, {})
             with overlay.applied():  # every patch, as users get them
-                record["overlay"] = _generate(model, **DYNAMIC, **kwargs)
+                record["overlay"] = seq2seq_outcome(model, **DYNAMIC, **kwargs)
     return results
 
 
-CASES = pytest.mark.parametrize("kind,mode", [(k, m) for k in MODELS for m in MODES])
+CASES = pytest.mark.parametrize("kind,mode", [(k, m) for k in SEQ2SEQ_KINDS for m in MODES])
 
 
 def test_engine_status():
@@ -154,19 +116,19 @@ def test_whole_overlay_gives_the_references(runs, kind, mode):
     assert runs[kind, mode]["overlay"] == runs[kind, mode]["default"]
 
 
-@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
 def test_deeper_decoder_with_the_whole_overlay(kind):
     """A 3-layer decoder on a 2-layer encoder (4.56's config-sized caches take the encoder's depth:
     encoder-decoder-cache-depth's bug): the whole overlay generates the no-cache ids."""
-    model = MODELS[kind](decoder_layers=3)
+    model = tiny_seq2seq(kind, decoder_layers=3)
     with overlay.reverted():
-        reference = _generate(model, use_cache=False, num_beams=2)
+        reference = seq2seq_outcome(model, use_cache=False, num_beams=2)
     with overlay.applied():  # every patch, as users get them
-        assert _generate(model, **DYNAMIC, num_beams=2) == reference
+        assert seq2seq_outcome(model, **DYNAMIC, num_beams=2) == reference
     assert "ids" in reference, reference
 
 
-@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("kind", SEQ2SEQ_KINDS)
 def test_reference_ids_vary(runs, kind):
     """The comparisons can tell runs apart: the batch's rows differ on every release and, where
     the patch's ids are the proof (4.55 - 4.56), a row changes from step to step too (5.x

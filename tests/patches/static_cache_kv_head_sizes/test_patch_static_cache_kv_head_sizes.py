@@ -91,25 +91,16 @@ def _model(name: str):
 def _user_cache(model, batch_size: int):
     """A ``StaticCache`` built from the model's config, as users build one: lazily allocated
     (4.56.0 on), or allocated by its constructor (4.55.x, from ``config.head_dim``)."""
-    from transformers import StaticCache
+    from overlay.testing.models import user_static_cache
 
-    if hasattr(StaticCache, "early_initialization"):
-        return StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
-    return StaticCache(config=model.config, max_batch_size=batch_size, max_cache_len=MAX_CACHE_LEN,
-                       dtype=model.dtype, device="cpu")
+    return user_static_cache(model.config, batch_size, MAX_CACHE_LEN, model.dtype)
 
 
 def _generate(model, batch, **kwargs) -> dict:
     """The ids of one greedy run, or its error (type, text, and the function that raised it)."""
-    import traceback
+    from overlay.testing.models import greedy_outcome
 
-    from overlay.testing.models import greedy_ids
-
-    try:
-        return {"ok": True, "ids": greedy_ids(model, batch, MAX_NEW_TOKENS, **kwargs)}
-    except Exception as exc:  # noqa: BLE001  (the tests read which one)
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        return {"ok": False, "type": type(exc).__name__, "error": str(exc), "raised in": frame.name}
+    return greedy_outcome(model, batch, MAX_NEW_TOKENS, **kwargs)
 
 
 def _head_sizes(cache) -> "list[tuple[int, int] | None]":

@@ -81,26 +81,16 @@ def _model(name: str):
 def _user_cache(model, batch_size: int):
     """A ``StaticCache`` built from the model's config, as users build one; its layers allocate
     on their first write (4.56+: each layer takes its own head count and size from its keys)."""
-    from transformers import StaticCache
+    from overlay.testing.models import user_static_cache
 
-    from overlay.testing.models import static_cache
-
-    if hasattr(StaticCache, "early_initialization"):
-        return StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
-    return static_cache(model.config, batch_size, MAX_CACHE_LEN, model.dtype)  # 4.55.x
+    return user_static_cache(model.config, batch_size, MAX_CACHE_LEN, model.dtype)
 
 
 def _generate(model, batch, **kwargs) -> dict:
     """The ids of one greedy run, or its error (type, text, and the function that raised it)."""
-    import traceback
+    from overlay.testing.models import greedy_outcome
 
-    from overlay.testing.models import greedy_ids
-
-    try:
-        return {"ok": True, "ids": greedy_ids(model, batch, MAX_NEW_TOKENS, **kwargs)}
-    except Exception as exc:  # noqa: BLE001  (the tests read which one)
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        return {"ok": False, "type": type(exc).__name__, "error": str(exc), "raised in": frame.name}
+    return greedy_outcome(model, batch, MAX_NEW_TOKENS, **kwargs)
 
 
 def _layers(model) -> "list[tuple[str, int | None]]":
