@@ -16,7 +16,7 @@ config (``MoshiDepthDecoder``, ``ImageGPTForCausalImageModeling`` and, from 4.57
 
 What the replacement does (it wraps ``_beam_search`` and leaves its loop as it is): the width of
 the first logits is not known when the release reads it, so it is taken from the model: the
-output head's rows (``get_output_embeddings()``, a ``torch.nn.Linear``), narrowed to
+output head's rows (``get_output_embeddings()``, the model's ``lm_head``, a ``torch.nn.Linear``), narrowed to
 the text config's ``unpadded_vocab_size`` where one is set (the columns Inkling's forward keeps).
 Where that width equals the config's, the release runs untouched. Where it differs (every such
 call fails on stock), the release's one read of ``self.config.get_text_config()`` in this call
@@ -25,8 +25,8 @@ read (instance attribute, removed in ``finally``; another thread's call reads th
 A forward hook, for the call only, checks the first logits against that width and raises a
 ``RuntimeError`` naming this patch if a model's forward cut its head's output to another width.
 
-Limits: a model whose head is not a ``torch.nn.Linear`` (or has none) gets the release's read, as
-does a special-cased class. A forward that narrows the head's output to exactly the config's width
+Limits: a model whose head is not a ``torch.nn.Linear`` named ``lm_head`` gets the release's read,
+as does a special-cased class. A forward that narrows the head's output to exactly the config's width
 (stock works) by any rule but ``unpadded_vocab_size`` gets that error instead of stock's run: no
 library class does (``docs/surveys/beam-vocab-width.md`` compares head and logits of every
 generative class). ``compute_transition_scores`` still reads the config's width, as upstream's does.
@@ -80,6 +80,8 @@ def logits_width(model, text_config) -> int | None:
     # The weight's rows, not out_features: a head tied to larger input embeddings (Ovis2 on
     # 5.0.0rc0 - rc3) keeps its declared out_features and gives the embeddings' width.
     width = head.weight.shape[0]
+    if head is not getattr(model, "lm_head", None):  # an adaptive softmax's cluster (Transformer-XL)
+        return None
     unpadded = getattr(text_config, "unpadded_vocab_size", None)
     if isinstance(unpadded, int) and 0 < unpadded < width:  # the forward drops the padding columns
         width = unpadded

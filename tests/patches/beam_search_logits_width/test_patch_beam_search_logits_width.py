@@ -188,6 +188,22 @@ def test_a_head_tied_to_wider_embeddings_is_stock():
     assert stock["ok"] and patched == stock
 
 
+def test_an_output_embedding_that_is_not_the_lm_head_is_stock():
+    """An adaptive softmax's ``get_output_embeddings()`` is one of its clusters (Transformer-XL):
+    a ``Linear`` of another width than the logits. The patch reads only a model's ``lm_head``."""
+    import torch
+
+    model = _llama(0)
+    cluster = torch.nn.Linear(model.config.hidden_size, 40, bias=False)
+    model.get_output_embeddings = lambda: cluster
+    batch = _batch(model.config.vocab_size)
+    with overlay.reverted():
+        stock = _generate(model, batch, num_beams=3)
+    with PATCH.applied():
+        patched = _generate(model, batch, num_beams=3)
+    assert stock["ok"] and patched == stock
+
+
 def test_greedy_search_on_a_wider_head_is_stock():
     model = _llama(16)
     batch = _batch(model.config.vocab_size)
