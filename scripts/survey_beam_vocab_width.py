@@ -24,6 +24,14 @@ library's own default-shaped configs reach the bug:
 A model type that cannot be built or run in a few seconds on CPU falls back to (a) the default
 config, unshrunk, built on the meta device and run there (shapes only), then (b) the width of the
 output embedding of that meta model; each row says which measure it got, or why it was skipped.
+Each row also carries the prediction of the `beam-search-logits-width` patch: its own
+`logits_width(model, model.config.get_text_config())` (the output head's rows when the head is a
+`torch.nn.Linear`, narrowed to `unpadded_vocab_size`), called on the same model, compared with the
+measured width: `prediction = logits`, `prediction differs from logits` or `no prediction (head not
+Linear)`; and whether the patch would act on it (prediction set, unlike the text config's
+`vocab_size`, class not special-cased by the release). Importing the patch module patches nothing
+(the worker's header checks `_beam_search` is still stock after the import).
+
 Each model runs in a worker process with the overlay off (`ATTN_OVERLAY=0`: stock transformers)
 under a per-model time limit; a worker that hangs or dies is replaced and the model recorded as
 skipped.
@@ -34,7 +42,10 @@ Run it with a lane's python, e.g.::
 
 `--only llama,t5` limits the model types; `--extras` adds the classes `_beam_search` names in its
 special cases (BarkSemanticModel, MoshiDepthDecoder); `--workers 2` runs two workers side by side;
-`--per-model-timeout` (seconds, default 45) bounds one model; `--json` writes the raw rows.
+`--per-model-timeout` (seconds, default 45) bounds one model; `--json` writes the raw rows;
+`--generate-always` runs the generate() confirmation for every model measured by a forward, not
+only where the widths differ; `--with-overlay` runs the workers with the overlay applied (its
+beam-search-logits-width patch among the rest), to see beam search work where the widths differ.
 """
 
 from __future__ import annotations
@@ -274,6 +285,43 @@ def _confirm_with_generate(model, inputs):
     return outcome
 
 
+#: Set by ``--with-overlay``: the workers run with the overlay active (its beam-search-logits-width
+#: patch among the rest), to check that generate() works where the widths differ.
+WITH_OVERLAY = "SURVEY_BEAM_WIDTH_WITH_OVERLAY"
+
+#: Set by ``--generate-always`` for the workers: confirm with generate() where the widths agree too.
+GENERATE_ALWAYS = "SURVEY_BEAM_WIDTH_GENERATE_ALWAYS"
+
+PREDICTION_EQUAL = "prediction = logits"
+PREDICTION_DIFFERS = "prediction differs from logits"
+NO_PREDICTION = "no prediction (head not a Linear lm_head)"
+PREDICTION_RAISED = "prediction raised"
+
+
+def patch_prediction(model):
+    """The patch's predicted logits width for `model`, by the patch's own function, and what it saw."""
+    from transformers.generation.utils import GenerationMixin
+
+    from overlay.patches.beam_search_logits_width import logits_width
+
+    text_config = model.config.get_text_config()
+    found = {
+        "text_config_vocab_size": getattr(text_config, "vocab_size", None),
+        # Beam search (and so the patch) is reached only through GenerationMixin.generate.
+        "generation_mixin": isinstance(model, GenerationMixin),
+    }
+    try:
+        head = model.get_output_embeddings()
+        found["head_type"] = type(head).__name__
+    except Exception as error:  # noqa: BLE001 - the patch catches some of these itself
+        found["head_type"] = f"get_output_embeddings raised {type(error).__name__}"
+    try:
+        found["prediction"] = logits_width(model, text_config)
+    except Exception as error:  # noqa: BLE001 - would escape the patch: a finding, recorded
+        found["prediction_error"] = f"{type(error).__name__}: {str(error)[:140]}"
+    return found
+
+
 def measure(model_type, class_name, code, mapping=""):
     import torch
     import transformers
@@ -311,8 +359,8 @@ def measure(model_type, class_name, code, mapping=""):
         with torch.no_grad():
             width = _logits_width(model(**inputs))
         read = beam_search_width(model, code) if code else None
-        row = {"method": "cpu forward (shrunk)", "config_value": read, "logits_width": width}
-        if read is not None and read != width:
+        row = {"method": "cpu forward (shrunk)", "config_value": read, "logits_width": width, **patch_prediction(model)}
+        if (read is not None and read != width) or os.environ.get(GENERATE_ALWAYS):
             row["generate"] = _confirm_with_generate(model, inputs)
         return row
     except Exception as error:  # noqa: BLE001 - fall through to the next measure
@@ -329,7 +377,13 @@ def measure(model_type, class_name, code, mapping=""):
             with torch.no_grad():
                 width = _logits_width(model(**inputs))
         read = beam_search_width(model, code) if code else None
-        return {"method": "meta forward (default config)", "config_value": read, "logits_width": width, "fallback_from": errors}
+        return {
+            "method": "meta forward (default config)",
+            "config_value": read,
+            "logits_width": width,
+            "fallback_from": errors,
+            **patch_prediction(model),
+        }
     except Exception as error:  # noqa: BLE001
         errors.append(f"meta forward: {type(error).__name__}: {str(error)[:140]}")
 
@@ -342,7 +396,13 @@ def measure(model_type, class_name, code, mapping=""):
             head = head[0]
         width = int(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
         read = beam_search_width(model, code) if code else None
-        return {"method": "head width (meta, no forward)", "config_value": read, "logits_width": width, "fallback_from": errors}
+        return {
+            "method": "head width (meta, no forward)",
+            "config_value": read,
+            "logits_width": width,
+            "fallback_from": errors,
+            **patch_prediction(model),
+        }
     except Exception as error:  # noqa: BLE001
         errors.append(f"head width: {type(error).__name__}: {str(error)[:140]}")
     return {"outcome": "skipped", "reason": " | ".join(errors)}
@@ -360,6 +420,13 @@ def worker(jobs):
     transformers.logging.set_verbosity_error()
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
+    import overlay.patches.beam_search_logits_width  # noqa: F401 - imported before the stock check
+
+    if os.environ.get(WITH_OVERLAY):
+        import overlay
+
+        overlay.apply()  # the patches of the installed release, beam-search-logits-width among them
+
     code = beam_search_width_code()
     stock = not hasattr(GenerationMixin._beam_search, "__wrapped__")
     _emit({"event": "ready", "code": code, "stock_beam_search": stock})
@@ -382,7 +449,35 @@ def worker(jobs):
                 row["outcome"] = "differ? (head only)"
             else:
                 row["outcome"] = "differ"
+            classify_prediction(row, code)
         _emit({"event": "row", **row})
+
+
+def classify_prediction(row, code):
+    """The patch's prediction against the measured width, and whether the patch would act."""
+    prediction = row.get("prediction")
+    if "prediction_error" in row:
+        row["prediction_outcome"] = PREDICTION_RAISED
+    elif prediction is None:
+        row["prediction_outcome"] = NO_PREDICTION
+    elif prediction == row["logits_width"]:
+        row["prediction_outcome"] = PREDICTION_EQUAL
+    else:
+        row["prediction_outcome"] = PREDICTION_DIFFERS
+    # The patch acts where its prediction is set and differs from the text config's width, unless the
+    # release special-cases the class (the names in the release's own block, as the patch's variants).
+    special_cased = bool(code) and f'"{row["model_class"]}"' in code
+    row["patch_acts"] = (
+        prediction is not None
+        and "prediction_error" not in row
+        and prediction != row.get("text_config_vocab_size")
+        and not special_cased
+    )
+    # The case the patch must never reach: stock's read equals the logits (stock works), the patch acts
+    # and its width is not the logits' (its run would fail).
+    row["patch_breaks_stock"] = bool(
+        row["patch_acts"] and prediction != row["logits_width"] and row.get("config_value") == row["logits_width"]
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,7 +520,7 @@ def run_survey(jobs, per_model_timeout):
 
     env = {
         **os.environ,
-        "ATTN_OVERLAY": "0",
+        "ATTN_OVERLAY": "1" if os.environ.get(WITH_OVERLAY) else "0",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -472,7 +567,9 @@ def run_survey(jobs, per_model_timeout):
                 pending = [job for job in pending if job[0] != event["model_type"] or job[1] != event["model_class"]]
                 print(
                     f"{event['model_type']:32} {event['outcome']:8} {event.get('config_value')} "
-                    f"{event.get('logits_width')} {event.get('method', event.get('reason', ''))[:80]}",
+                    f"{event.get('logits_width')} prediction={event.get('prediction')} "
+                    f"[{event.get('prediction_outcome', '-')}{', acts' if event.get('patch_acts') else ''}] "
+                    f"{event.get('method', event.get('reason', ''))[:80]}",
                     flush=True,
                 )
                 current = None
@@ -516,13 +613,17 @@ def render_markdown(header, rows, release, seconds):
         "",
         "Beam search's width expression in this release: "
         + ("`" + " ".join(header["code"].split()) + "`" if header and header["code"] else "none (reads the logits)"),
-        f"Stock `_beam_search` (overlay off): {header and header['stock_beam_search']}. "
+        f"Stock `_beam_search` (overlay {'on' if os.environ.get(WITH_OVERLAY) else 'off'}): "
+        f"{header and header['stock_beam_search']}. "
         f"{len(rows)} model classes, {seconds:.0f} s.",
         "",
         "Totals: " + ", ".join(f"{k}: {v}" for k, v in sorted(totals.items())),
         "",
-        "| model type | class | mapping | config value (beam search) | logits width | outcome | measure / reason |",
-        "|---|---|---|---|---|---|---|",
+        *render_prediction_summary(rows),
+        "",
+        "| model type | class | mapping | config value (beam search) | logits width | prediction (patch) "
+        "| outcome | measure / reason |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda r: (r["outcome"] != "differ", r["model_type"])):
         detail = row.get("method") or row.get("reason", "")
@@ -531,9 +632,54 @@ def render_markdown(header, rows, release, seconds):
         detail = detail.replace("|", "\\|").replace("\n", " ")
         lines.append(
             f"| {row['model_type']} | {row['model_class']} | {row['mapping'].replace('MODEL_FOR_', '')} "
-            f"| {row.get('config_value', '')} | {row.get('logits_width', '')} | {row['outcome']} | {detail} |"
+            f"| {row.get('config_value', '')} | {row.get('logits_width', '')} | {prediction_cell(row)} "
+            f"| {row['outcome']} | {detail} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def prediction_cell(row):
+    """The patch's prediction as a table cell: the width, `-` (none), marked where it acts or differs."""
+    if "prediction_outcome" not in row:
+        return ""
+    if "prediction_error" in row:
+        return "raised: " + row["prediction_error"].replace("|", "\\|")
+    if row["prediction"] is None:
+        return f"- ({row.get('head_type', '?')})"
+    marks = [mark for flag, mark in ((row["prediction_outcome"] == PREDICTION_DIFFERS, "≠ logits"),
+                                     (row.get("patch_acts"), "acts")) if flag]
+    return str(row["prediction"]) + (f" ({', '.join(marks)})" if marks else "")
+
+
+def render_prediction_summary(rows):
+    """Counts of the patch's prediction against the logits, and every row that is not `= logits`."""
+    measured = [row for row in rows if "prediction_outcome" in row]
+    counts = {}
+    for row in measured:
+        counts[row["prediction_outcome"]] = counts.get(row["prediction_outcome"], 0) + 1
+    # A "head width" row measured no logits: its width is the head's out_features, so there the
+    # comparison only checks the head's rows against its declared width.
+    head_only = {}
+    for row in measured:
+        if row["method"].startswith("head width"):
+            head_only[row["prediction_outcome"]] = head_only.get(row["prediction_outcome"], 0) + 1
+    lines = [
+        f"The patch's prediction ({len(measured)} classes measured): "
+        + ", ".join(f"{k}: {v} ({head_only.get(k, 0)} of them head width only)" for k, v in sorted(counts.items()))
+        + f"; the patch acts on {sum(bool(row.get('patch_acts')) for row in measured)}; "
+        f"**breaks a class stock runs: {sum(bool(row.get('patch_breaks_stock')) for row in measured)}**",
+    ]
+    for row in sorted(measured, key=lambda r: (r["prediction_outcome"], r["model_type"], r["model_class"])):
+        if row["prediction_outcome"] == PREDICTION_EQUAL and not row.get("patch_acts"):
+            continue
+        lines.append(
+            f"- {row['prediction_outcome']}: `{row['model_type']}` {row['model_class']}: release's read "
+            f"{row.get('config_value')}, logits {row['logits_width']}, prediction {row.get('prediction')}, "
+            f"text config {row.get('text_config_vocab_size')}, head {row.get('head_type')}, "
+            f"patch acts: {row.get('patch_acts')}, GenerationMixin: {row.get('generation_mixin')} ({row['method']})"
+            + (f"; {row['prediction_error']}" if "prediction_error" in row else "")
+        )
+    return lines
 
 
 def main(argv=None):
@@ -545,11 +691,19 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=1, help="worker processes side by side")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--json", help="write the raw rows here")
+    parser.add_argument("--with-overlay", action="store_true",
+                        help="workers run with the overlay active (default: off, stock transformers)")
+    parser.add_argument("--generate-always", action="store_true",
+                        help="confirm with generate() for every model measured by a forward, not only where widths differ")
     args = parser.parse_args(argv)
     if args.worker:
         worker([tuple(job) for job in json.loads(sys.stdin.read())])
         return 0
     os.environ["ATTN_OVERLAY"] = "0"
+    if args.generate_always:  # read by the workers, which inherit the environment
+        os.environ[GENERATE_ALWAYS] = "1"
+    if args.with_overlay:
+        os.environ[WITH_OVERLAY] = "1"
     import transformers
 
     only = {name.strip() for name in args.only.split(",") if name.strip()}
