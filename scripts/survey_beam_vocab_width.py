@@ -322,6 +322,17 @@ def patch_prediction(model):
     return found
 
 
+def _fallback_row(method, model, code, width, errors):
+    """A row measured by a fallback: the release's read, the width found, why the earlier measures failed."""
+    return {
+        "method": method,
+        "config_value": beam_search_width(model, code) if code else None,
+        "logits_width": width,
+        "fallback_from": errors,
+        **patch_prediction(model),
+    }
+
+
 def measure(model_type, class_name, code, mapping=""):
     import torch
     import transformers
@@ -376,14 +387,7 @@ def measure(model_type, class_name, code, mapping=""):
             }
             with torch.no_grad():
                 width = _logits_width(model(**inputs))
-        read = beam_search_width(model, code) if code else None
-        return {
-            "method": "meta forward (default config)",
-            "config_value": read,
-            "logits_width": width,
-            "fallback_from": errors,
-            **patch_prediction(model),
-        }
+        return _fallback_row("meta forward (default config)", model, code, width, errors)
     except Exception as error:  # noqa: BLE001
         errors.append(f"meta forward: {type(error).__name__}: {str(error)[:140]}")
 
@@ -395,14 +399,7 @@ def measure(model_type, class_name, code, mapping=""):
         if isinstance(head, torch.nn.ModuleList):  # one head per codebook (Musicgen)
             head = head[0]
         width = int(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
-        read = beam_search_width(model, code) if code else None
-        return {
-            "method": "head width (meta, no forward)",
-            "config_value": read,
-            "logits_width": width,
-            "fallback_from": errors,
-            **patch_prediction(model),
-        }
+        return _fallback_row("head width (meta, no forward)", model, code, width, errors)
     except Exception as error:  # noqa: BLE001
         errors.append(f"head width: {type(error).__name__}: {str(error)[:140]}")
     return {"outcome": "skipped", "reason": " | ".join(errors)}

@@ -37,7 +37,7 @@ def _generate(model, batch, *, xpu: bool, **kwargs) -> dict:
     import transformers.masking_utils as masking_utils
 
     from overlay import report
-    from overlay.testing.models import dynamic_cache, greedy_ids
+    from overlay.testing.models import dynamic_cache, greedy_outcome
 
     report.reset()
     if "prefill_chunk_size" in kwargs:  # a cache of its own: 5.0.0rc1 chunks only into a given cache
@@ -45,10 +45,7 @@ def _generate(model, batch, *, xpu: bool, **kwargs) -> dict:
     seen = masking_utils._is_torch_xpu_available
     masking_utils._is_torch_xpu_available = xpu
     try:
-        max_new_tokens = kwargs.pop("max_new_tokens")
-        run = {"ok": True, "ids": greedy_ids(model, batch, max_new_tokens, **kwargs)}
-    except Exception as exc:  # noqa: BLE001  (the tests read which one)
-        run = {"ok": False, "type": type(exc).__name__, "error": str(exc)}
+        run = greedy_outcome(model, batch, kwargs.pop("max_new_tokens"), **kwargs)
     finally:
         masking_utils._is_torch_xpu_available = seen
     run["fired"] = report.fired_actions().get(PATCH.id, {})
