@@ -150,10 +150,10 @@ def _replace_beam_search(original, variant):
         width = logits_width(self, text_config)
         if width is None or width == getattr(text_config, "vocab_size", None):
             return original(self, *args, **model_kwargs)
+        report.record_outside_compile(PATCH_ID, ACTION)
         handle = self.register_forward_hook(_check_first_logits(width))
         try:
-            with _ReadOnce(config, _TextConfigWithWidth(text_config, width)):
-                report.record_outside_compile(PATCH_ID, ACTION)
+            with _ReadOnce(config, _TextConfigWithWidth(text_config, width)):  # the release's read, next
                 return original(self, *args, **model_kwargs)
         finally:
             handle.remove()
