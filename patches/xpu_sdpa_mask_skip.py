@@ -25,8 +25,8 @@ query) also gets the explicit mask where the release used ``is_causal``: the sam
 that kernel shortcut (5.14.0 keeps it, knowing the offset; these releases do not pass it). Flash,
 flex and eager attention build no such skip.
 
-Cost: one Python call and two integer comparisons per mask built (once per forward, not per layer);
-nothing else on machines without an XPU. Tested (``tests/patches/xpu_sdpa_mask_skip/``) with the
+Cost: one Python call and two integer comparisons per mask built (once per forward, not per layer):
+about 0.15 us per decoding step (figure 7 of ``scripts/bench``). Tested (``tests/patches/xpu_sdpa_mask_skip/``) with the
 release's XPU flag set on the CPU; the full account: docs/patches/xpu-sdpa-mask-skip.md.
 """
 

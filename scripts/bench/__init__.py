@@ -15,7 +15,8 @@ Figures (goal in brackets; every ratio is per round, summarised as median/min/ma
    and the decoding-step time ratio [<= 1.01]
 5. extra tensor copies per decoding step when dtypes already match [0]
 6. GPU only: host-input static-cache ``generate`` / on-device-input one, tokens/s [>= 0.98]
-7. extra time per layer and decoding step (cache update + attention call), overlay applied /
+7. extra time per layer and decoding step (cache update + attention call; and, per step, the SDPA
+   mask rule, information), overlay applied /
    reverted, min of ``timeit`` repeats, on transformers 5.13.0, 5.18.0, 5.24.0 [<= 1.0 µs]
 8. instructions per decoding step under ``valgrind --tool=callgrind``, counted in the decode loop
    only, overlay / without: ratio and extra instructions per layer and step (information)

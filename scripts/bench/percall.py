@@ -11,7 +11,10 @@ devices already agree, nothing to fix):
 - ``DynamicCache.update`` of one new position onto 32 cached ones (the layer's keys/values are
   put back to the 32-position tensors before every call: two attribute stores, in both variants),
 - ``ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", eager_attention_forward)`` and the SDPA call
-  (query 1 position, 33 key/value positions, no mask).
+  (query 1 position, 33 key/value positions, no mask);
+- once per step, not per layer (information, outside the goal's sums): the SDPA mask builders'
+  skip rule ``masking_utils._ignore_causal_mask_sdpa`` on a decoding step's 2D mask, which
+  ``xpu-sdpa-mask-skip`` wraps on 4.55.0 - 4.57.6 (``--lanes tf-4-57-6`` to see it).
 
 Each release gets the calls its own modeling_llama makes (:func:`call_statements`): before 5.1.0
 the lookup is ``ALL_ATTENTION_FUNCTIONS[...]``, and up to 5.3.0 the update passes
@@ -60,6 +63,9 @@ CALLS = {
     "static": "StaticCache.update",
     "dynamic": f"DynamicCache.update ({CACHED} cached positions)",
     "attention": 'get_interface("sdpa", default) + SDPA call',
+    # Once per decoding step, not per layer (outside the totals): the SDPA mask builders' skip rule,
+    # which xpu-sdpa-mask-skip wraps on 4.55.0 - 4.57.6.
+    "mask_rule": "_ignore_causal_mask_sdpa (per step, not per layer)",
 }
 TOTALS = {
     "static": ("static", "attention"),
@@ -250,8 +256,16 @@ def call_statements(room: int) -> tuple[dict[str, Any], dict[str, tuple[str, Any
         lookup = ('(ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation] '
                   'if self.config._attn_implementation != "eager" else eager_attention_forward)')
 
+    # The rule as the SDPA mask builders call it in a decoding step (one query, a 2D mask over the
+    # cached positions and the new one); 5.14.0 added the query's offset.
+    from transformers import masking_utils
+
+    mask_rule_args = (["padding_mask", 1, CACHED + 1, CACHED, 0, None]
+                      if "q_offset" in inspect.signature(masking_utils._ignore_causal_mask_sdpa).parameters
+                      else ["padding_mask", 1, CACHED + 1, 0, None])
+
     namespace = {
-        "kw": kw,
+        "kw": kw, "masking_utils": masking_utils, "padding_mask": torch.ones(1, CACHED + 1, dtype=torch.bool),
         "static": static, "dynamic": dynamic, "layer": dynamic.layers[0], "k_prefix": k_prefix, "v_prefix": v_prefix,
         "k": k_new, "v": v_new, "ALL_ATTENTION_FUNCTIONS": ALL_ATTENTION_FUNCTIONS, "self": module,
         "eager_attention_forward": modeling_llama.eager_attention_forward, "q": query, "keys": keys,
@@ -264,6 +278,7 @@ def call_statements(room: int) -> tuple[dict[str, Any], dict[str, tuple[str, Any
                    reset_static if hasattr(static_layer, "cumulative_length") else None),
         "dynamic": (f"layer.keys = k_prefix; layer.values = v_prefix; dynamic.update({update_args})", None),
         "attention": (f"{lookup}(self, q, keys, values, None, dropout=0.0, scaling=scaling, **kw)", None),
+        "mask_rule": (f"masking_utils._ignore_causal_mask_sdpa({', '.join(map(str, mask_rule_args))})", None),
     }
     return namespace, statements
 
@@ -331,6 +346,7 @@ def percall_worker(payload: dict[str, Any]) -> dict[str, Any]:
             "DynamicLayer.update": type(dynamic_layer).update.__code__.co_filename,
             f"AttentionInterface.{lookup}": interface.__code__.co_filename,
             "kernel returned": kernel.__code__.co_filename,
+            "_ignore_causal_mask_sdpa": namespace["masking_utils"]._ignore_causal_mask_sdpa.__code__.co_filename,
         }
 
     code_on = where()
@@ -379,7 +395,7 @@ def _same_results(statements, namespace, overlay, torch) -> bool:
             *setup, call = stmt.split("; ")
             for line in setup:
                 exec(line, ns)
-            out += [t.clone() for t in _tensors(eval(call, ns))]
+            out += [t.clone() if isinstance(t, torch.Tensor) else torch.tensor(t) for t in _tensors(eval(call, ns))]
         return out
 
     on = outputs()

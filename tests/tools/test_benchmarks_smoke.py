@@ -118,7 +118,7 @@ def test_figure_premises_hold(smoke_run):
         assert applied != reverted, lane
         assert [row["call"] for row in details["table"]] == [
             "StaticCache.update", "DynamicCache.update (32 cached positions)",
-            'get_interface("sdpa", default) + SDPA call'], lane
+            'get_interface("sdpa", default) + SDPA call', "_ignore_causal_mask_sdpa (per step, not per layer)"], lane
         assert set(details["totals"]) == {"static", "dynamic"}, lane
     # Figure 8 (callgrind) is slow: the smoke run does a dry run of its worker without valgrind.
     assert figures[8]["status"] == "not run" and figures[8]["reason"]
