@@ -94,12 +94,18 @@ def _logits_width(model, batch) -> int:
         return model(**batch).logits.shape[-1]
 
 
-def _compare(model, batch, **kwargs) -> dict:
-    width = _logits_width(model, batch)
+def _stock_and_patched(model, batch, **kwargs) -> tuple[dict, dict]:
+    """One call on stock transformers, then the same call with this patch applied."""
     with overlay.reverted():
         stock = _generate(model, batch, **kwargs)
     with PATCH.applied():
         patched = _generate(model, batch, **kwargs)
+    return stock, patched
+
+
+def _compare(model, batch, **kwargs) -> dict:
+    width = _logits_width(model, batch)
+    stock, patched = _stock_and_patched(model, batch, **kwargs)
     return {"width": width, "control": _control(model, batch, width, **kwargs), "stock": stock, "patched": patched}
 
 
@@ -163,10 +169,7 @@ def test_a_head_as_wide_as_the_config_is_stock(mode):
     model = tiny_model("llama")
     batch = _batch(model.config.vocab_size)
     kwargs = MODES.get(mode, {})
-    with overlay.reverted():
-        stock = _generate(model, batch, **kwargs)
-    with PATCH.applied():
-        patched = _generate(model, batch, **kwargs)
+    stock, patched = _stock_and_patched(model, batch, **kwargs)
     assert stock["ok"] and patched == stock
 
 
@@ -178,10 +181,7 @@ def test_a_head_tied_to_wider_embeddings_is_stock():
     model.lm_head.weight = model.get_input_embeddings().weight
     batch = _batch(model.config.vocab_size)
     assert model.lm_head.out_features == 112 and _logits_width(model, batch) == 128
-    with overlay.reverted():
-        stock = _generate(model, batch, num_beams=3)
-    with PATCH.applied():
-        patched = _generate(model, batch, num_beams=3)
+    stock, patched = _stock_and_patched(model, batch, num_beams=3)
     assert stock["ok"] and patched == stock
 
 
@@ -194,20 +194,14 @@ def test_an_output_embedding_that_is_not_the_lm_head_is_stock():
     cluster = torch.nn.Linear(model.config.hidden_size, 40, bias=False)
     model.get_output_embeddings = lambda: cluster
     batch = _batch(model.config.vocab_size)
-    with overlay.reverted():
-        stock = _generate(model, batch, num_beams=3)
-    with PATCH.applied():
-        patched = _generate(model, batch, num_beams=3)
+    stock, patched = _stock_and_patched(model, batch, num_beams=3)
     assert stock["ok"] and patched == stock
 
 
 def test_greedy_search_on_a_wider_head_is_stock():
     model = _llama(16)
     batch = _batch(model.config.vocab_size)
-    with overlay.reverted():
-        stock = _generate(model, batch)
-    with PATCH.applied():
-        patched = _generate(model, batch)
+    stock, patched = _stock_and_patched(model, batch)
     assert stock["ok"] and patched == stock
 
 
@@ -292,10 +286,7 @@ def test_a_forward_that_cuts_its_head_back_gets_the_named_error():
 
     model.register_forward_hook(cut)
     batch = _batch(configured)
-    with overlay.reverted():
-        stock = _generate(model, batch, num_beams=3)
-    with PATCH.applied():
-        patched = _generate(model, batch, num_beams=3)
+    stock, patched = _stock_and_patched(model, batch, num_beams=3)
     assert stock["ok"], stock
     if PATCH.affected:
         assert (patched["ok"], patched["type"]) == (False, "RuntimeError"), patched
