@@ -18,18 +18,27 @@ release every bug reproduces without the overlay and is fixed with it; on a fixe
 patch reports "fixed upstream" and changes nothing. Which release expects what comes from
 ``scripts/matrix_data.py``, the same data as the release table (docs/releases.md).
 
-torch is installed once, into ``.nox/_shared/``, and every lane sees it through a path line in
-its site-packages: a lane costs transformers and a few small packages, not 800 MB of torch.
+torch and its own dependencies (sympy, networkx, jinja2 ...) are installed once, into
+``.nox/_shared/``, and every lane sees them through a path line in its site-packages: a lane costs
+transformers, its requirements and the ``lane`` extra (about 290 MB and 30 s), not 800 MB of torch.
+A lane that needs another version of one of torch's dependencies installs it into its own
+site-packages, which comes first on ``sys.path``.
 The ``tests`` session installs torch into its own environment instead, because the startup hook
 tests build fresh environments that see the runner's site-packages folder only.
 Environments are reused between runs (``reuse_venv``); ``--reuse-venv=no`` rebuilds them.
+With ``ATTN_OVERLAY_DROP_ENVIRONMENTS=1`` (``.ci/run`` sets it when ``CI`` is set) each test
+session deletes its environment when it ends: a clean clone's CI then needs about 4 GB of disk
+at its peak (the shared torch, the suite's environment and the two lanes that run side by side)
+instead of about 17 GB for every lane kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import nox
@@ -53,6 +62,20 @@ LANE_SELECTION = ("-m", "patch or lane")
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
+@contextlib.contextmanager
+def _environment_dropped_after(session: nox.Session) -> Iterator[None]:
+    """Delete the session's environment when the block ends (passed or failed), where
+    ATTN_OVERLAY_DROP_ENVIRONMENTS=1 asks for it: a one-off run on a clean clone reuses nothing,
+    and 21 kept environments fill a small disk. The shared torch stays: the next lane needs it."""
+    try:
+        yield
+    finally:
+        if os.environ.get("ATTN_OVERLAY_DROP_ENVIRONMENTS") == "1":
+            location = Path(session.virtualenv.location)
+            session.log(f"deleting {location} (ATTN_OVERLAY_DROP_ENVIRONMENTS=1)")
+            shutil.rmtree(location, ignore_errors=True)
+
+
 # The probes and installs below use ``session.run_install``: they are part of building an
 # environment, so they must also run under ``nox --install-only`` (where ``session.run`` runs
 # nothing and returns None). Under ``-R`` / ``--no-install`` on an environment that exists, nox
@@ -71,12 +94,13 @@ def _shared_torch(session: nox.Session) -> Path:
         silent=True,
     ).strip().splitlines()[-1]
     folder = Path(session.virtualenv.location).parent / "_shared" / f"torch-{matrix_data.TORCH}-{tag}"
-    if not (folder / ".complete").exists():
+    complete = f"{TORCH_REQUIREMENT} with its dependencies\n"  # a folder of an older layout is rebuilt
+    if not (folder / ".complete").exists() or (folder / ".complete").read_text() != complete:
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        # --no-deps: torch's own dependencies are small and install into each lane as usual.
-        session.run_install("python", "-m", "pip", "install", "--no-deps", "--target", str(partial), TORCH_REQUIREMENT)
-        (partial / ".complete").write_text(TORCH_REQUIREMENT + "\n")
+        # With its dependencies: they are the same for every lane, and sympy alone is 80 MB.
+        session.run_install("python", "-m", "pip", "install", "--target", str(partial), TORCH_REQUIREMENT)
+        (partial / ".complete").write_text(complete)
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(partial, folder)
     (_purelib(session) / "_attn_overlay_shared_torch.pth").write_text(f"{folder}\n")
@@ -94,7 +118,8 @@ for text in importlib.metadata.requires("transformers") or ():
 """
 
 
-def _install(session: nox.Session, release: str, *, share_torch: bool, torch: str = matrix_data.TORCH) -> None:
+def _install(session: nox.Session, release: str, *, share_torch: bool, torch: str = matrix_data.TORCH,
+             extras: str = "lane,multidevice") -> None:
     if session.run_install("python", "-c", "print('installing')", silent=True) is None:
         session.log("reusing the environment as it is (-R / --no-install): nothing installed or checked")
         return
@@ -106,13 +131,13 @@ def _install(session: nox.Session, release: str, *, share_torch: bool, torch: st
     if left_out:
         # The release without the requirements the index cannot satisfy, then the rest of what it
         # declares (no extras), read from its installed metadata.
-        session.install(f"torch=={torch}", "-e", f"{REPO}[test,multidevice]")
+        session.install(f"torch=={torch}", "-e", f"{REPO}[{extras}]")
         session.install("--no-deps", f"transformers=={release}")
         declared = session.run_install("python", "-c", _DECLARED_REQUIREMENTS, *left_out, silent=True)
         session.install(f"torch=={torch}", *declared.splitlines())
         session.log(f"transformers {release} without " + "; ".join(f"{n} ({why})" for n, why in left_out.items()))
     else:
-        session.install(f"torch=={torch}", f"transformers=={release}", "-e", f"{REPO}[test,multidevice]")
+        session.install(f"torch=={torch}", f"transformers=={release}", "-e", f"{REPO}[{extras}]")
     found = session.run_install(
         "python", "-c",
         "import importlib.metadata as m, torch; "
@@ -132,8 +157,9 @@ def _install(session: nox.Session, release: str, *, share_torch: bool, torch: st
 @nox.session(tags=["ci"])
 def tests(session: nox.Session) -> None:
     """The whole test suite on the release the project is developed against."""
-    _install(session, matrix_data.FULL_SUITE_RELEASE, share_torch=False)
-    session.run("python", "-m", "pytest", "-ra", "--durations=10", *session.posargs, env=TEST_ENV)
+    with _environment_dropped_after(session):
+        _install(session, matrix_data.FULL_SUITE_RELEASE, share_torch=False, extras="test,multidevice")
+        session.run("python", "-m", "pytest", "-ra", "--durations=10", *session.posargs, env=TEST_ENV)
 
 
 #: The test modules that never import torch: the engine on throwaway packages, the startup hook
@@ -164,9 +190,10 @@ nox.options.error_on_missing_interpreters = True
 def lint(session: nox.Session) -> None:
     """ruff and mypy on the package, the patch files and the startup modules (their settings are
     in pyproject.toml). No torch or transformers: both are typed as Any (ignore_missing_imports)."""
-    session.install("ruff", "mypy", "packaging")
-    session.run("ruff", "check", "overlay", "patches", "_attn_overlay_startup.py", "_attn_overlay_pytest.py")
-    session.run("mypy")
+    with _environment_dropped_after(session):
+        session.install("ruff", "mypy", "packaging")
+        session.run("ruff", "check", "overlay", "patches", "_attn_overlay_startup.py", "_attn_overlay_pytest.py")
+        session.run("mypy")
 
 
 @nox.session(name="python_lanes", python=PYTHON_LANES, download_python="never", tags=["pythons"])
@@ -230,11 +257,11 @@ def _install_newest(session: nox.Session, release: str) -> list[str]:
 
     _shared_torch(session)
     try:
-        session.install(TORCH_REQUIREMENT, f"transformers=={release}", "-e", f"{REPO}[test,multidevice]")
+        session.install(TORCH_REQUIREMENT, f"transformers=={release}", "-e", f"{REPO}[lane,multidevice]")
         return []
     except nox.command.CommandFailed:
         session.log(f"transformers {release} with all its requirements does not install here; trying them one by one")
-    session.install(TORCH_REQUIREMENT, "-e", f"{REPO}[test,multidevice]")
+    session.install(TORCH_REQUIREMENT, "-e", f"{REPO}[lane,multidevice]")
     session.install("--no-deps", f"transformers=={release}")
     left_out = []
     for requirement in session.run_install("python", "-c", _DECLARED_REQUIREMENTS, silent=True).splitlines():
@@ -248,9 +275,10 @@ def _install_newest(session: nox.Session, release: str) -> list[str]:
 
 def _make_lane(release: str):
     def lane(session: nox.Session) -> None:
-        _install(session, release, share_torch=True)
-        env = {**TEST_ENV, **matrix_data.LANE_ENVIRONMENT.get(release, {})}
-        session.run("python", "-m", "pytest", "-ra", "--durations=10", *LANE_SELECTION, *session.posargs, env=env)
+        with _environment_dropped_after(session):
+            _install(session, release, share_torch=True)
+            env = {**TEST_ENV, **matrix_data.LANE_ENVIRONMENT.get(release, {})}
+            session.run("python", "-m", "pytest", "-ra", "--durations=10", *LANE_SELECTION, *session.posargs, env=env)
 
     lane.__doc__ = (
         f"transformers {release}"
