@@ -5,7 +5,7 @@ the float32-static-cache generate that ``kv-cache-dtype`` fixes works.
 
 Each case is a fresh interpreter with the startup hook (``tests/_thread_import_worker.py``): a
 module is imported once per process, so "repeatedly" means many processes, in many orders, with
-and without a barrier. Runs on every lane (marker ``lane``); CI runs it on 4.57.6 and 5.18.0.
+and without a barrier. Runs on every release lane (marker ``lane``), CI's included.
 """
 
 from __future__ import annotations
