@@ -282,7 +282,8 @@ def _make_lane(release: str):
 
     lane.__doc__ = (
         f"transformers {release}"
-        + "".join(f" (installed without {name}: {why})" for name, why in matrix_data.REQUIREMENTS_LEFT_OUT.get(release, {}).items())
+        + "".join(f" (installed without {name}: {why})"
+                  for name, why in matrix_data.REQUIREMENTS_LEFT_OUT.get(release, {}).items())
         + "".join(f" ({name}={value})" for name, value in matrix_data.LANE_ENVIRONMENT.get(release, {}).items())
         + ": expected "
         + ", ".join(f"{pid} {state}" for pid, state in matrix_data.expected_statuses(release).items())
