@@ -29,7 +29,7 @@ Environments are reused between runs (``reuse_venv``); ``--reuse-venv=no`` rebui
 With ``ATTN_OVERLAY_DROP_ENVIRONMENTS=1`` (``.ci/run`` sets it when ``CI`` is set) each test
 session deletes its environment when it ends: a clean clone's CI then needs about 4 GB of disk
 at its peak (the shared torch, the suite's environment and the two lanes that run side by side)
-instead of about 17 GB for every lane kept.
+instead of about 9 GB with every environment kept.
 """
 
 from __future__ import annotations

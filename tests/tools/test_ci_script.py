@@ -104,7 +104,7 @@ def test_sessions_delete_their_environments_on_ci_only(checkout, args, settings,
     done, calls = _ci(checkout, *args, CI_JOBS="1", **settings)
     assert done.returncode == 0, done.stdout + done.stderr
     assert [call["drop"] for call in calls] == [dropped]
-    needed = "4" if dropped == "1" else "17"
+    needed = "4" if dropped == "1" else "9"
     assert "GB free here" in done.stdout and f"about {needed} GB needed" in done.stdout
     assert "ci: the disk may have filled up" not in done.stdout
 
