@@ -30,18 +30,11 @@ def _modules() -> list[str]:
     return ["transformers", *sorted({patch.module for patch in engine.known_patches()})]
 
 
-#: The reported race: one thread imports transformers, another transformers.cache_utils, in that
-#: order, no barrier. Its run also generates (``generate``): see the float32 test below.
-REPORTED_RACE = (["transformers", "transformers.cache_utils"], "free")
-#: What strict mode is asked to import, behind a barrier.
-STRICT_CASE = (["transformers", "transformers.cache_utils", "transformers.generation.utils"], "barrier")
-
-
 def _orders() -> list[tuple[list[str], str]]:
     modules = _modules()
     rng = random.Random(20261202)
     orders = [
-        REPORTED_RACE,  # every run before the fix
+        (["transformers", "transformers.cache_utils"], "free"),  # the reported race: every run before the fix
         (["transformers.cache_utils", "transformers"], "free"),
         (["transformers", "transformers.generation.utils"], "free"),
         (modules, "barrier"),
@@ -60,30 +53,20 @@ def _run(names: list[str], start: str, *extra: str, env: dict | None = None) -> 
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    """Every interpreter this module needs, two at a time (the two cores): the control ("honest"),
-    each order (the reported race's run also generates), and strict mode ("strict")."""
-    jobs: dict = {"honest": ((_modules(), "sequential"), {})}
-    for index, order in enumerate(_orders()):
-        jobs[index] = ((*order, "generate") if order == REPORTED_RACE else order, {})
-    jobs["strict"] = (STRICT_CASE, {"env": {"ATTN_OVERLAY_STRICT": "1"}})
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {key: pool.submit(_run, *args, **kwargs) for key, (args, kwargs) in jobs.items()}
-        return {key: future.result() for key, future in futures.items()}
-
-
-@pytest.fixture(scope="module")
-def honest(runs) -> dict:
+def honest() -> dict:
     """What one thread importing every target module, one after the other, is told."""
-    control = runs["honest"]
+    control = _run(_modules(), "sequential")
     assert not control["errors"] and not control["late_errors"], control
     assert engine.APPLIED in control["states"].values()  # the lane has patches to judge
     return control
 
 
 @pytest.fixture(scope="module")
-def concurrent_runs(runs) -> list[tuple[list[str], str, dict]]:
-    return [(names, start, runs[index]) for index, (names, start) in enumerate(_orders())]
+def concurrent_runs() -> list[tuple[list[str], str, dict]]:
+    orders = _orders()
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two processes at a time: the two cores
+        results = list(pool.map(lambda order: _run(*order), orders))
+    return [(names, start, result) for (names, start), result in zip(orders, results)]
 
 
 # transformers itself is not safe to import from several threads at once in every order: with or
@@ -147,18 +130,20 @@ def test_every_patch_ends_in_its_honest_state_whatever_the_import_order(honest, 
         assert result["states"] == honest["states"], (case, result["reasons"])
 
 
-def test_strict_mode_raises_nothing_when_every_patch_applies(honest, runs):
-    result = runs["strict"]
-    _assert_only_stock_import_races(result, "strict")
+@pytest.mark.parametrize("start", ["barrier"])
+def test_strict_mode_raises_nothing_when_every_patch_applies(honest, start):
+    result = _run(["transformers", "transformers.cache_utils", "transformers.generation.utils"], start,
+                  env={"ATTN_OVERLAY_STRICT": "1"})
+    _assert_only_stock_import_races(result, start)
     assert result["late_errors"] == {} and result["activation_error"] is None, result
     assert result["states"] == honest["states"], result["reasons"]
 
 
-def test_float32_static_cache_generates_after_the_reported_race(honest, runs):
-    # The reported race gave kv-cache-dtype a false "does not exist" in every run before, and then
-    # this generate failed with stock's index_copy_ dtype error. Stock imports both modules
-    # cleanly, so must we.
-    result = runs[_orders().index(REPORTED_RACE)]
+def test_float32_static_cache_generates_after_the_reported_race(honest):
+    # One thread imports transformers, another transformers.cache_utils, in that order, no
+    # barrier: every run gave kv-cache-dtype a false "does not exist" before, and then this
+    # generate failed with stock's index_copy_ dtype error. Stock imports both cleanly, so must we.
+    result = _run(["transformers", "transformers.cache_utils"], "free", "generate")
     assert result["errors"] == {} and result["late_errors"] == {}, result
     assert result["states"]["kv-cache-dtype"] == honest["states"]["kv-cache-dtype"] == engine.APPLIED, result["reasons"]
     runs = result["generate"]
