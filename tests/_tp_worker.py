@@ -29,6 +29,9 @@ from datetime import timedelta
 # A rank that hangs in a collective fails after this long instead of waiting forever. Generous: on a
 # loaded 2-core CI machine (two nox groups side by side) one rank can lag the other by minutes.
 COLLECTIVE_TIMEOUT_S = 300
+# Printed between writing the results and tearing down the process group; the parent test looks
+# for it to tell a crash in the teardown from a crash in the work.
+TEARDOWN_STARTED = "tp worker: results written; tearing down the process group"
 
 
 def _generate(model, torch, case: dict, chunked: bool) -> dict:
@@ -103,12 +106,43 @@ def main(argv: list[str]) -> int:
             results["cases"][-1]["seconds_since_start"] = round(time.perf_counter() - started, 2)
     except Exception:
         results["fatal"] = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
-    with open(out_path, "w", encoding="utf-8") as f:
-        json.dump(results, f)
+    # The results are complete here, so they are written before the process group is torn down:
+    # what the parent asserts on cannot be lost to a crash in torch's teardown (below).
+    _write_atomically(out_path, results)
+    print(TEARDOWN_STARTED, flush=True)
+    _tear_down(dist, wait_for_the_other_ranks="fatal" not in results)
     return 1 if "fatal" in results else 0
 
 
+def _write_atomically(path: str, results: dict) -> None:
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump(results, f)
+    os.replace(partial, path)  # the parent sees the whole file or none
+
+
+def _tear_down(dist, wait_for_the_other_ranks: bool) -> None:
+    """Both ranks leave their collectives before either destroys the group, and the models (whose
+    device meshes hold the group) are collected while the interpreter is whole. Seen once in CI
+    before this order: rank 1 aborted ("terminate called without an active exception", SIGABRT)
+    after its last model had loaded, with nothing written, so where is not known; a crash in the
+    teardown now leaves the results and tells itself apart from a crash in the work.
+
+    A rank that failed does not wait: the other may be stuck in a collective it will never join,
+    and destroying the group at once ends that wait with an error instead of the timeout."""
+    import gc
+
+    try:
+        if wait_for_the_other_ranks:
+            dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter finalization: nothing is left to do, and it is where gloo's threads can abort.
+    os._exit(exit_code)

@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,6 +35,7 @@ from overlay.patch import PATCH_MARKER, Variant, fingerprint
 from overlay.testing.harness import PatchUnderTest
 from overlay.testing.models import greedy_ids, save_tiny_model, tiny_config, tiny_heterogeneous_config, tiny_heterogeneous_model
 from overlay.testing.tensor_parallel import ATTENTION_COLWISE, ATTENTION_GATHERED, MLP
+from tests._tp_worker import TEARDOWN_STARTED
 
 TESTS_DIR = Path(__file__).resolve().parents[2]  # tests/: the workers beside conftest.py
 REPO_ROOT = TESTS_DIR.parent
@@ -453,7 +455,7 @@ def worker_environment() -> dict[str, str]:
     return env
 
 
-def run_ranks(workdir: Path, spec: dict) -> list[dict]:
+def run_ranks(workdir: Path, spec: dict, worker: Path = TESTS_DIR / "_tp_worker.py") -> list[dict]:
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
     store = workdir / "process_group_store"  # gloo rendezvous through a file: no port to pick
@@ -461,7 +463,7 @@ def run_ranks(workdir: Path, spec: dict) -> list[dict]:
     for rank in range(WORLD_SIZE):
         log = open(workdir / f"rank{rank}.log", "wb")
         logs.append(log)
-        cmd = [sys.executable, str(TESTS_DIR / "_tp_worker.py"), str(rank), str(WORLD_SIZE), str(store),
+        cmd = [sys.executable, str(worker), str(rank), str(WORLD_SIZE), str(store),
                str(spec_path), str(workdir / f"rank{rank}.json")]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_environment()))
     deadline = time.monotonic() + WORKER_TIMEOUT_S
@@ -487,9 +489,19 @@ def run_ranks(workdir: Path, spec: dict) -> list[dict]:
     results = []
     for rank, proc in enumerate(procs):
         out = workdir / f"rank{rank}.json"
-        if proc.returncode != 0 or not out.exists():
-            pytest.fail(f"rank {rank} exited {proc.returncode}\n{tail(rank)}")
-        results.append(json.loads(out.read_text(encoding="utf-8")))
+        if not out.exists():
+            pytest.fail(f"rank {rank} exited {proc.returncode} before writing its results\n{tail(rank)}")
+        result = json.loads(out.read_text(encoding="utf-8"))
+        if "fatal" in result:
+            pytest.fail(f"rank {rank} failed:\n{result['fatal']}\n{tail(rank)}")
+        if proc.returncode != 0:
+            # The worker writes its results (atomically) before it tears the process group down. A
+            # crash after that is torch's teardown, not the work the tests check: said, not hidden.
+            if TEARDOWN_STARTED not in tail(rank):
+                pytest.fail(f"rank {rank} exited {proc.returncode} after writing its results\n{tail(rank)}")
+            warnings.warn(f"rank {rank} exited {proc.returncode} in torch.distributed's teardown, after writing "
+                          f"complete results: {tail(rank).strip().splitlines()[-1]}", stacklevel=1)
+        results.append(result)
     return results
 
 
@@ -597,3 +609,33 @@ def test_layers_with_their_own_head_size_under_tensor_parallelism(tp_run):
     assert patched["ids"] == runs["unchunked"]["ids"] == tp_run["reference"]["gemma4"]
     # The patch fired where stock failed, and on 5.16.x, which never record tp_size, also to divide.
     assert (patched["fired"] > 0) == (stock_fails or (AFFECTED and not TP_SIZE_RECORDED)), patched
+
+
+# -- how run_ranks reads its ranks: stand-in workers (no torch) that end each way a rank can end --
+
+_STAND_IN_WORKER = """
+import json, os, sys
+rank, out_path = int(sys.argv[1]), sys.argv[5]
+how = json.load(open(sys.argv[4]))["ending"]
+if how != "crash in the work":
+    with open(out_path, "w") as f:
+        json.dump({"rank": rank, "cases": [], **({"fatal": "Traceback: boom"} if how == "fatal" else {})}, f)
+    print(%r, flush=True)
+if how in ("crash in the work", "crash in the teardown") and rank == 1:
+    os.abort()
+"""
+
+
+@pytest.mark.parametrize("ending", ["clean", "crash in the teardown", "crash in the work", "fatal"])
+def test_run_ranks_tells_a_teardown_crash_from_a_failed_rank(ending, tmp_path):
+    worker = tmp_path / "stand_in_worker.py"
+    worker.write_text(_STAND_IN_WORKER % TEARDOWN_STARTED, encoding="utf-8")
+    if ending == "clean":
+        assert [r["rank"] for r in run_ranks(tmp_path, {"ending": ending}, worker)] == [0, 1]
+    elif ending == "crash in the teardown":  # complete results, then torch's teardown aborted: said
+        with pytest.warns(UserWarning, match="rank 1 exited -6 in torch.distributed's teardown"):
+            assert [r["rank"] for r in run_ranks(tmp_path, {"ending": ending}, worker)] == [0, 1]
+    else:
+        expected = "before writing its results" if ending == "crash in the work" else "Traceback: boom"
+        with pytest.raises(pytest.fail.Exception, match=expected):
+            run_ranks(tmp_path, {"ending": ending}, worker)
