@@ -55,6 +55,12 @@ class PostImportFinder:
         # finished (name -> spec): their hooks may watch submodules, so until then every submodule
         # imported (in any thread) is wrapped too, and looks up its hooks only once it has executed.
         self._open = {}
+        # Watched packages whose execution through this finder raised before their hooks ran to
+        # the end (a thread's import met transformers' own import race). The import system drops
+        # such a package from sys.modules, but other threads go on importing its submodules (a
+        # subpackage already imported is their parent, so the package is not imported again);
+        # those stay wrapped as while it executed, until an execution of it finishes its hooks.
+        self._failed_open = set()
 
     def watch(self, name, hook):
         """Run ``hook(module)`` each time module ``name`` executes (import or reload).
@@ -87,7 +93,9 @@ class PostImportFinder:
             return {name: tuple(hooks) for name, hooks in self._hooks.items()}
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in self._hooks and not (self._open and self._inside_open_package(fullname)):
+        if fullname not in self._hooks and not (
+            (self._open or self._failed_open) and self._inside_open_package(fullname)
+        ):
             return None
         searching = self._searching.__dict__.setdefault("names", set())
         if fullname in searching:  # our own search below reached us again
@@ -112,11 +120,12 @@ class PostImportFinder:
 
     def _inside_open_package(self, fullname):
         """Whether ``fullname`` is a submodule of a package whose execution or hooks are under way
-        (the package in sys.modules is the one from the spec this finder handed out)."""
+        (the package in sys.modules is the one from the spec this finder handed out), or whose
+        execution failed before its hooks ran (see ``_failed_open``)."""
         for package, spec in list(self._open.items()):
             if fullname.startswith(package + ".") and getattr(sys.modules.get(package), "__spec__", None) is spec:
                 return True
-        return False
+        return any(fullname.startswith(package + ".") for package in tuple(self._failed_open))
 
     def _wrap(self, loader, exec_module):
         # A closure, not functools.partial: functools is not imported at interpreter start.
@@ -129,6 +138,7 @@ class PostImportFinder:
         name = module.__name__
         with self._lock:
             self._executing[name] = self._executing.get(name, 0) + 1
+        hooks_ran = False
         try:
             try:
                 exec_module(module)
@@ -149,11 +159,17 @@ class PostImportFinder:
                 if isinstance(hook, str):
                     hook = _resolve(hook)
                 hook(module)
+            hooks_ran = True
         finally:
-            if self._open:
+            if self._open or self._failed_open:
                 with self._lock:
-                    if self._open.get(name) is getattr(module, "__spec__", None):
+                    opened = self._open.get(name) is getattr(module, "__spec__", None)
+                    if opened:
                         del self._open[name]
+                    if hooks_ran:
+                        self._failed_open.discard(name)
+                    elif opened:  # before the import system drops the package: no import slips by
+                        self._failed_open.add(name)
 
     def invalidate_caches(self):
         pass

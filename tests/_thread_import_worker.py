@@ -20,7 +20,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import _attn_overlay_startup  # noqa: E402,F401 -- the .pth line's import (lanes install the project editable, without it)
+import _attn_overlay_startup  # noqa: E402 -- the .pth line's import (lanes install the project editable, without it)
 
 names, start = sys.argv[1].split(","), sys.argv[2]
 together = threading.Barrier(len(names)) if start == "barrier" else None
@@ -66,6 +66,15 @@ result = {
     "states": {s.id: s.state for s in overlay.status()},
     "reasons": {s.id: s.reason for s in overlay.status()},
     "activation_error": overlay.activation_error(),
+    # What the finder knows of each target module, for a run whose states differ from the control's.
+    "finder": {
+        name: {
+            "executed": _attn_overlay_startup.finder().executed(name),
+            "watched": name in _attn_overlay_startup.finder().watched(),
+            "imported": name in sys.modules,
+        }
+        for name in sorted({patch.module for patch in overlay.known_patches()})
+    },
 }
 if "generate" in sys.argv[3:]:
     import torch

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 import threading
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from overlay import engine
 from overlay.engine import OverlayError
 from overlay.patch import Target, wraps
-from tests.toypkg import CORE_SOURCE, make_toy_package, remove_from_path, toy_patch
+from tests.toypkg import CORE_SOURCE, ToyPackage, make_toy_package, remove_from_path, toy_patch
 
 # A module body that stops half-way (before ``Mixin`` is defined) until the test lets it go on.
 # ``from .gate import``, as transformers' modules import their siblings: it never waits for the
@@ -114,6 +115,75 @@ def test_a_submodule_imported_while_the_package_hook_activates_is_judged(gated):
         assert seen == {"during": engine.PENDING, "errors": []}
         assert _status().state == engine.APPLIED, _status().reason
         assert importlib.import_module(gated.module).Mixin().compute(1) == 3
+
+
+# transformers' own import race, one level up (seen once in CI, 5.18.0, a shuffled free start: nine
+# generation.utils patches left "pending"): the thread executing the package fails and the import
+# system removes the package from sys.modules, while another thread, whose parent (a subpackage,
+# like transformers.generation) is still there, goes on importing a target module; then a third
+# import of the package succeeds and its hook activates the engine while that module executes.
+FAILING_PACKAGE_SOURCE = """from .gate import executions, started, may_fail
+executions.append(1)
+if len(executions) == 1:  # the first execution fails, as a thread that met a half-initialised sibling
+    started.set()
+    assert may_fail.wait(60)
+    raise ImportError("cannot import name 'x' from partially initialized module (the test's stand-in)")
+"""
+FAILING_PACKAGE_GATE = GATE_SOURCE + "executions = []\nstarted = threading.Event()\nmay_fail = threading.Event()\n"
+
+
+def test_a_target_imported_after_its_package_failed_in_another_thread_is_judged(tmp_path):
+    import _attn_overlay_startup as startup
+
+    package = make_toy_package(tmp_path, source=GATED_SOURCE)
+    folder = tmp_path / f"site_{package.name}" / package.name
+    (folder / "gate.py").write_text(FAILING_PACKAGE_GATE)
+    (folder / "__init__.py").write_text(FAILING_PACKAGE_SOURCE)
+    (folder / "sub").mkdir()
+    (folder / "sub" / "__init__.py").write_text("")
+    (folder / "core.py").rename(folder / "sub" / "core.py")
+    (folder / "sub" / "core.py").write_text(GATED_SOURCE.replace("from .gate", "from ..gate"))
+    target = ToyPackage(name=package.name, root=package.root, module=f"{package.name}.sub.core")
+    finder = startup.ensure_finder()
+    outcomes: dict[str, BaseException | None] = {}
+
+    def import_in_thread(name):
+        def run():
+            try:
+                importlib.import_module(name)
+                outcomes[name] = None
+            except BaseException as exc:  # noqa: BLE001 -- the test asserts on it
+                outcomes[name] = exc
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    def activate_on_package(module):  # the startup hook's watch on transformers
+        engine.apply()
+
+    try:
+        with engine.isolated([toy_patch(target)], distribution=package.name):
+            finder.watch(package.name, activate_on_package)
+            failing = import_in_thread(package.name)
+            gate = importlib.import_module(f"{package.name}.gate")  # the package's, half-executed
+            assert gate.started.wait(60)
+            importlib.import_module(f"{package.name}.sub")  # the parent the target will find
+            gate.may_fail.set()
+            failing.join(60)
+            assert isinstance(outcomes[package.name], ImportError) and package.name not in sys.modules
+            late = import_in_thread(target.module)  # its parent is there: the package is not imported again
+            assert gate.reached.wait(60)
+            importlib.import_module(package.name)  # succeeds: the hook activates, the target half-executed
+            assert _status().state == engine.PENDING
+            gate.release.set()
+            late.join(60)
+            assert outcomes[target.module] is None
+            assert _status().state == engine.APPLIED, _status().reason
+            assert importlib.import_module(target.module).Mixin().compute(1) == 3
+    finally:
+        finder.unwatch(package.name, activate_on_package)
+        remove_from_path(package)
 
 
 def test_a_plain_reassignment_is_displaced_naming_what_replaced_it(toy):

@@ -10,6 +10,7 @@ and without a barrier. Runs on every release lane (marker ``lane``), CI's includ
 
 from __future__ import annotations
 
+import pprint
 import random
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -127,7 +128,26 @@ def test_every_patch_ends_in_its_honest_state_whatever_the_import_order(honest, 
         _assert_only_stock_import_races(result, case)
         assert result["late_errors"] == {}, case  # the program goes on: every module imports
         assert result["activation_error"] is None, case
-        assert result["states"] == honest["states"], (case, result["reasons"])
+        assert result["states"] == honest["states"], _differences(case, result, honest)
+
+
+def _differences(case: str, result: dict, honest: dict) -> str:
+    """Each patch whose state differs from the control's, with both states and the reason it was
+    given, and the threads' errors. A string: pytest prints a string message whole, anything else
+    cut to 240 characters (CI's log is all there is of a run that failed there)."""
+    return case + "\n" + pprint.pformat({
+        "states": {
+            patch_id: (state, honest["states"].get(patch_id), result["reasons"].get(patch_id))
+            for patch_id, state in result["states"].items()
+            if state != honest["states"].get(patch_id)
+        },
+        "errors": result["errors"],
+        "raised_in": result["raised_in"],
+        "finder": {
+            name: known for name, known in result["finder"].items()
+            if any(result["states"][patch.id] != honest["states"][patch.id] for patch in engine.known_patches() if patch.module == name)
+        },
+    }, width=120)
 
 
 @pytest.mark.parametrize("start", ["barrier"])
@@ -136,7 +156,7 @@ def test_strict_mode_raises_nothing_when_every_patch_applies(honest, start):
                   env={"ATTN_OVERLAY_STRICT": "1"})
     _assert_only_stock_import_races(result, start)
     assert result["late_errors"] == {} and result["activation_error"] is None, result
-    assert result["states"] == honest["states"], result["reasons"]
+    assert result["states"] == honest["states"], _differences(start, result, honest)
 
 
 def test_float32_static_cache_generates_after_the_reported_race(honest):
