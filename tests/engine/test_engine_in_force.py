@@ -172,10 +172,13 @@ def test_a_target_imported_after_its_package_failed_in_another_thread_is_judged(
             gate.may_fail.set()
             failing.join(60)
             assert isinstance(outcomes[package.name], ImportError) and package.name not in sys.modules
+            assert package.name in finder._failed_open
             late = import_in_thread(target.module)  # its parent is there: the package is not imported again
             assert gate.reached.wait(60)
             importlib.import_module(package.name)  # succeeds: the hook activates, the target half-executed
             assert _status().state == engine.PENDING
+            # The package's hooks ran to the end: its other submodules go unwrapped again.
+            assert package.name not in finder._failed_open
             gate.release.set()
             late.join(60)
             assert outcomes[target.module] is None
