@@ -59,6 +59,8 @@ for name in ["transformers", *sorted({patch.module for patch in overlay.known_pa
     except Exception as exc:  # noqa: BLE001 -- reported, the test decides
         late_errors[name] = f"{type(exc).__name__}: {exc}"
 
+finder = _attn_overlay_startup.finder()
+watched = finder.watched()
 result = {
     "errors": errors,
     "raised_in": raised_in,
@@ -69,8 +71,8 @@ result = {
     # What the finder knows of each target module, for a run whose states differ from the control's.
     "finder": {
         name: {
-            "executed": _attn_overlay_startup.finder().executed(name),
-            "watched": name in _attn_overlay_startup.finder().watched(),
+            "executed": finder.executed(name),
+            "watched": name in watched,
             "imported": name in sys.modules,
         }
         for name in sorted({patch.module for patch in overlay.known_patches()})

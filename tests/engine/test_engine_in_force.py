@@ -44,17 +44,23 @@ def _status(patch_id="toy-add-two"):
     return {s.id: s for s in engine.status()}[patch_id]
 
 
-def _import_in_thread(package):
+def _start_import(name):
+    """Import ``name`` in a thread of its own: the thread, and the list its error goes to."""
     errors = []
 
     def run():
         try:
-            package.import_core()
+            importlib.import_module(name)
         except BaseException as exc:  # noqa: BLE001 -- the test asserts on it
             errors.append(exc)
 
     thread = threading.Thread(target=run)
     thread.start()
+    return thread, errors
+
+
+def _import_in_thread(package):
+    thread, errors = _start_import(package.module)
     gate = importlib.import_module(f"{package.name}.gate")
     assert gate.reached.wait(60), "the other thread never started executing the module"
     return thread, gate, errors
@@ -145,19 +151,6 @@ def test_a_target_imported_after_its_package_failed_in_another_thread_is_judged(
     (folder / "sub" / "core.py").write_text(GATED_SOURCE.replace("from .gate", "from ..gate"))
     target = ToyPackage(name=package.name, root=package.root, module=f"{package.name}.sub.core")
     finder = startup.ensure_finder()
-    outcomes: dict[str, BaseException | None] = {}
-
-    def import_in_thread(name):
-        def run():
-            try:
-                importlib.import_module(name)
-                outcomes[name] = None
-            except BaseException as exc:  # noqa: BLE001 -- the test asserts on it
-                outcomes[name] = exc
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        return thread
 
     def activate_on_package(module):  # the startup hook's watch on transformers
         engine.apply()
@@ -165,15 +158,15 @@ def test_a_target_imported_after_its_package_failed_in_another_thread_is_judged(
     try:
         with engine.isolated([toy_patch(target)], distribution=package.name):
             finder.watch(package.name, activate_on_package)
-            failing = import_in_thread(package.name)
+            failing, failed = _start_import(package.name)
             gate = importlib.import_module(f"{package.name}.gate")  # the package's, half-executed
             assert gate.started.wait(60)
             importlib.import_module(f"{package.name}.sub")  # the parent the target will find
             gate.may_fail.set()
             failing.join(60)
-            assert isinstance(outcomes[package.name], ImportError) and package.name not in sys.modules
+            assert [type(exc) for exc in failed] == [ImportError] and package.name not in sys.modules
             assert package.name in finder._failed_open
-            late = import_in_thread(target.module)  # its parent is there: the package is not imported again
+            late, late_errors = _start_import(target.module)  # its parent is there: the package is not imported again
             assert gate.reached.wait(60)
             importlib.import_module(package.name)  # succeeds: the hook activates, the target half-executed
             assert _status().state == engine.PENDING
@@ -181,7 +174,7 @@ def test_a_target_imported_after_its_package_failed_in_another_thread_is_judged(
             assert package.name not in finder._failed_open
             gate.release.set()
             late.join(60)
-            assert outcomes[target.module] is None
+            assert late_errors == []
             assert _status().state == engine.APPLIED, _status().reason
             assert importlib.import_module(target.module).Mixin().compute(1) == 3
     finally:
