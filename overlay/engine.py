@@ -46,7 +46,17 @@ from .patch import (  # noqa: F401
     judge_code,
     source_of,
 )
-from .swapping import Swap, below_overlay, carries, describe_object, foreign_code, swap_in, take_off, wraps_replacement
+from .swapping import (
+    Swap,
+    below_overlay,
+    carries,
+    describe_object,
+    follow_bases,
+    foreign_code,
+    swap_in,
+    take_off,
+    wraps_replacement,
+)
 
 #: The names other modules use; the rest is this module's own.
 __all__ = [
@@ -222,6 +232,12 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
     except Exception as exc:  # a patch that raises leaves every target as it was
         _set(record, FAILED, f"{type(exc).__name__}: {exc}")
         return False
+    # A subclass's inherited copy another patch wrapped before this one reached the base method
+    # is built again onto it, so both are in force there (overlay.swapping.follow_bases).
+    for failed, reason in follow_bases(list(_engine.records.values())):
+        _set(failed, FAILED, reason)
+        if failed is record:
+            return False
     _engine.ever_patched.add(module.__name__)
     _set(record, APPLIED, verdict.reason, verdict.labels)
     return True

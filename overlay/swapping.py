@@ -5,6 +5,12 @@ Two patches may replace one function: the second wraps the first's replacement (
 each is judged by transformers' code under the overlay's layers (:func:`below_overlay`).
 :func:`take_off` takes any of the layers off in any order, building the ones above again onto
 what is left, so that what stays applied stays in force.
+
+A patch on a subclass's inherited copy of a method (``Target.inherited_from``) wraps what the
+class inherits when it is built: a patch on the base method applied or taken off later changes
+what the class should inherit, so :func:`follow_bases` builds such inherited layers again onto
+what their class inherits now (:func:`take_off` does it after every revert, the engine after
+every swap): in any order, each patch is in force in the subclass exactly while it is applied.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from .patch import PATCH_MARKER, Location, Patch, Target, TargetMatch, Variant, 
 
 __all__ = [
     "CHAIN_LIMIT", "Layered", "Swap", "below_overlay", "build", "carries", "describe_object",
-    "foreign_code", "swap_in", "take_off", "wraps_replacement",
+    "follow_bases", "foreign_code", "swap_in", "take_off", "wraps_replacement",
 ]
 
 logger = logging.getLogger(config.LOGGER_NAME)
@@ -207,16 +213,32 @@ def take_off(records: Collection[Record], chosen: list[Record]) -> list[tuple[Re
     Returns the records whose layer could not be built again, with why, in the order they are to
     be marked failed: all or none, for a patch too, so each of them is taken off entirely."""
     reverting = {id(record) for record in chosen}
-    slots: dict[tuple[int, str], list[tuple[Record, Swap]]] = {}
-    for record in records:
-        for swap in record.swaps:
-            slots.setdefault((id(swap.owner), swap.name), []).append((record, swap))
     failed: dict[str, tuple[Record, str]] = {}  # patch id -> (record, why) of a layer not rebuilt
-    for entries in slots.values():
+    for entries in _slots(records).values():
         if any(id(record) in reverting for record, _ in entries):
             _take_off_slot(entries, reverting, failed)
     for record in chosen:
         record.swaps = []
+    _follow_bases(records, failed)
+    return _taken_off_whole(records, failed)
+
+
+def follow_bases(records: Collection[Record]) -> list[tuple[Record, str]]:
+    """Build every inherited layer (a replacement set on a class that inherited the function it
+    wraps) again onto what its class inherits now, where that changed since it was built: a patch
+    on the base method was applied or taken off. Layers above it on that class are built again
+    over it, subclasses after their bases. ``records``: every record with swaps in force.
+
+    Returns the records whose layer could not be built again, with why (as :func:`take_off`):
+    each of them is taken off entirely."""
+    failed: dict[str, tuple[Record, str]] = {}
+    _follow_bases(records, failed)
+    return _taken_off_whole(records, failed)
+
+
+def _taken_off_whole(records: Collection[Record], failed: dict[str, tuple[Record, str]]) -> list[tuple[Record, str]]:
+    """Take the ``failed`` records off entirely (all or none, for a patch too): the failures, in
+    the order they are to be marked failed."""
     failures: list[tuple[Record, str]] = []
     for record, reason in failed.values():
         failures += take_off(records, [record])
@@ -224,20 +246,55 @@ def take_off(records: Collection[Record], chosen: list[Record]) -> list[tuple[Re
     return failures
 
 
-def _take_off_slot(
-    entries: list[tuple[Record, Swap]], reverting: set[int], failed: dict[str, tuple[Record, str]]
-) -> None:
-    """:func:`take_off` on one attribute: ``entries`` are every applied swap made there."""
+def _slots(records: Collection[Record]) -> dict[tuple[int, str], list[tuple[Record, Swap]]]:
+    """Every applied swap, by the attribute it was made on: (id of the owner, name) -> entries."""
+    slots: dict[tuple[int, str], list[tuple[Record, Swap]]] = {}
+    for record in records:
+        for swap in record.swaps:
+            slots.setdefault((id(swap.owner), swap.name), []).append((record, swap))
+    return slots
+
+
+def _stack_in_place(entries: list[tuple[Record, Swap]]) -> tuple[list[tuple[Record, Swap]], list[tuple[Record, Swap]]]:
+    """The overlay's layers on one attribute, from the object in place down (each the original of
+    the one above), and the entries not reached that way (someone else covered them since)."""
     owner, name = entries[0][1].owner, entries[0][1].name
     by_replacement = {id(swap.replacement): (record, swap) for record, swap in entries}
-    # The overlay's layers from the object in place down, each the original of the one above.
     stack: list[tuple[Record, Swap]] = []
     current = vars(owner).get(name)
     while id(current) in by_replacement:
         record, swap = by_replacement.pop(id(current))
         stack.append((record, swap))
         current = swap.original
-    for record, _ in by_replacement.values():  # not reached from the object in place
+    return stack, list(by_replacement.values())
+
+
+def _follow_bases(records: Collection[Record], failed: dict[str, tuple[Record, str]]) -> None:
+    """:func:`follow_bases`, collecting the layers not rebuilt in ``failed``."""
+    inherited = []
+    for entries in _slots(records).values():
+        stack, unreached = _stack_in_place(entries)
+        # A stack someone else covered is left as it is: its status says "displaced".
+        if stack and not unreached and stack[-1][1].inherited:
+            inherited.append(stack)
+    # A class before its subclasses: rebuilding it changes what they inherit.
+    for stack in sorted(inherited, key=lambda s: len(getattr(s[-1][1].owner, "__mro__", ()))):
+        record, bottom = stack[-1]
+        if function_of(_inherited_original(bottom.owner, bottom.name, record.patch.id)) is function_of(bottom.original):
+            continue
+        for _, swap in stack:  # from the top: the bottom one deletes the class's own entry
+            swap.undo()
+        for record, swap in reversed(stack):  # from the bottom up, onto what is inherited now
+            _relayer(record, swap, failed)
+
+
+def _take_off_slot(
+    entries: list[tuple[Record, Swap]], reverting: set[int], failed: dict[str, tuple[Record, str]]
+) -> None:
+    """:func:`take_off` on one attribute: ``entries`` are every applied swap made there."""
+    owner, name = entries[0][1].owner, entries[0][1].name
+    stack, unreached = _stack_in_place(entries)
+    for record, _ in unreached:
         if id(record) in reverting:
             logger.warning(
                 "attn-overlay: %s.%s was replaced by someone else after the overlay patched it; left as it is",
@@ -256,8 +313,11 @@ def _take_off_slot(
 
 def _relayer(record: Record, swap: Swap, failed: dict[str, tuple[Record, str]]) -> None:
     """Build ``swap``'s replacement again onto what its attribute holds now (the same variant: the
-    code under the overlay, which it was judged by, is unchanged), in ``record.swaps``."""
-    raw = _raw_on(swap.owner, swap.name)
+    code under the overlay, which it was judged by, is unchanged), in ``record.swaps``. Where the
+    class inherits the attribute, onto :func:`_inherited_original`."""
+    raw = vars(swap.owner).get(swap.name)
+    if raw is None:
+        raw = _inherited_original(swap.owner, swap.name, record.patch.id)
     try:
         if raw is None:
             raise AttributeError(f"{swap.target.key} is gone")
@@ -271,12 +331,30 @@ def _relayer(record: Record, swap: Swap, failed: dict[str, tuple[Record, str]]) 
     record.swaps = [layered if s is swap else s for s in record.swaps]
 
 
-def _raw_on(owner: Any, name: str) -> Any:
-    """What ``owner`` holds for ``name``: its own ``__dict__`` entry, or else what a class
-    inherits (as :meth:`overlay.patch.Target.locate` finds it). ``None`` when neither."""
-    raw = vars(owner).get(name)
-    if raw is None and isinstance(owner, type):
-        for base in owner.__mro__[1:]:
-            if name in vars(base):
-                return vars(base)[name]
-    return raw
+def _inherited_original(owner: Any, name: str, patch_id: str) -> Any:
+    """What an inherited layer of patch ``patch_id`` on class ``owner`` wraps: what the class
+    inherits now, under that patch's own replacements on top of it. A patch whose targets are a
+    base method and a subclass's inherited copy of it gives each its own replacement of the code
+    as it was before the patch (as :func:`swap_in` builds them), never the one over the other.
+    ``None`` when no base defines the attribute.
+
+    Limit: only that patch's layers on top are looked through. Where another patch was layered on
+    the base over it since, the subclass's layer wraps both (that patch's base replacement then
+    runs twice there). No shipped patch targets a base method and an inherited copy of it at once."""
+    raw = _inherited_raw(owner, name)
+    func = below = function_of(raw)
+    for _ in range(CHAIN_LIMIT):
+        inner = getattr(below, "__wrapped__", None)
+        if inner is None or _overlay_id(below) != patch_id:
+            break
+        below = inner
+    return raw if below is func else _rewrap_like(raw, below)
+
+
+def _inherited_raw(owner: Any, name: str) -> Any:
+    """What a class inherits for ``name`` from its bases (its method resolution order after
+    itself), whatever its own namespace holds; ``None`` when no base defines it."""
+    for base in getattr(owner, "__mro__", ())[1:]:
+        if name in vars(base):
+            return vars(base)[name]
+    return None

@@ -9,6 +9,7 @@ wrap, reads off one call: stock ``compute(1)`` is 2, ``lower`` adds one, ``upper
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import threading
 
@@ -27,6 +28,10 @@ class Factory:
 
 
 class Child(Mixin):
+    pass
+
+
+class GrandChild(Child):
     pass
 '''
 
@@ -403,3 +408,119 @@ def test_concurrent_first_imports_layer_each_patch_once(toy):
         assert results == [BOTH[(LOWER, UPPER)]] * 8
         assert len(lower_calls) == 1 and len(upper_calls) == 1
         assert getattr(upper_calls[0], PATCH_MARKER) == LOWER  # the upper one was given the lower's
+
+
+# -- a patch on the base method and patches on subclasses' inherited copies -----------------------
+# BASE patches Mixin.compute (+1), SUB Child's inherited copy (x2), GRAND GrandChild's (-10): in any
+# order of application each is in force (in its class and below) exactly while its status says
+# "applied", each reverts alone, and all reverted leave every namespace as it was.
+
+BASE, SUB, GRAND = "toy-base", "toy-sub", "toy-grand"
+
+
+def _hierarchy_patches(toy, sub_replace=None):
+    inherited = f"{toy.module}:Mixin.compute"
+    base = _patch(BASE, _target(toy, "Mixin.compute", plus_one))
+    sub = _patch(SUB, _target(toy, "Child.compute", doubled, first_line="def compute", inherited_from=inherited))
+    if sub_replace is not None:
+        sub = _patch(SUB, Target(module=toy.module, qualname="Child.compute", replace=sub_replace,
+                                 originals={toy.fingerprint("def compute", LAYERED_SOURCE): "1.x"},
+                                 inherited_from=inherited))
+    grand = _patch(GRAND, _target(toy, "GrandChild.compute", lambda value: value - 10, first_line="def compute",
+                                  inherited_from=inherited))
+    return base, sub, grand
+
+
+def _hierarchy_value(core, applied):
+    """What Child().compute(1) must give with the ``applied`` patches in force (stock 2)."""
+    value = 2 + (BASE in applied)
+    return value * 2 if SUB in applied else value
+
+
+def _check_hierarchy(core, applied):
+    applied = set(applied)
+    assert core.Mixin().compute(1) == 2 + (BASE in applied)
+    assert core.Child().compute(1) == _hierarchy_value(core, applied)
+    assert core.GrandChild().compute(1) == _hierarchy_value(core, applied) - 10 * (GRAND in applied)
+    expected = {pid: engine.APPLIED if pid in applied else engine.INACTIVE for pid in (BASE, SUB, GRAND)}
+    assert {pid: state for pid, state in _states().items() if pid in expected} == expected
+
+
+@pytest.mark.parametrize("order", [(BASE, SUB), (SUB, BASE)])
+def test_a_base_patch_and_a_subclass_patch_compose_in_either_order(toy, order):
+    core = toy.import_core()
+    base, sub, _ = _hierarchy_patches(toy)
+    namespaces = {cls: dict(vars(cls)) for cls in (core.Mixin, core.Child, core.GrandChild)}
+    with engine.isolated([base, sub], distribution=toy.name):
+        _apply_in_order(order)
+        assert core.Child().compute(1) == 6  # (2 + 1) * 2 whichever came first
+        assert _states() == {BASE: engine.APPLIED, SUB: engine.APPLIED}
+        engine.revert(only=[BASE])
+        assert core.Child().compute(1) == 4 and core.Mixin().compute(1) == 2
+        assert _states() == {BASE: engine.INACTIVE, SUB: engine.APPLIED}
+        engine.apply(only=[BASE])
+        assert core.Child().compute(1) == 6
+        engine.revert(only=[SUB])
+        assert core.Child().compute(1) == 3 and "compute" not in vars(core.Child)
+        assert _states() == {BASE: engine.APPLIED, SUB: engine.INACTIVE}
+        engine.apply(only=[SUB])
+        engine.revert()
+        assert core.Child().compute(1) == 2
+        assert {cls: dict(vars(cls)) for cls in namespaces} == namespaces
+        assert _states() == {BASE: engine.INACTIVE, SUB: engine.INACTIVE}
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations((BASE, SUB, GRAND))))
+def test_three_levels_of_inherited_patches_compose_in_every_order_and_revert_alone(toy, order):
+    core = toy.import_core()
+    patches = _hierarchy_patches(toy)
+    namespaces = {cls: dict(vars(cls)) for cls in (core.Mixin, core.Child, core.GrandChild)}
+    with engine.isolated(patches, distribution=toy.name):
+        applied = set()
+        for patch_id in order:
+            engine.apply(only=[patch_id])
+            applied.add(patch_id)
+            _check_hierarchy(core, applied)
+        for patch_id in order:  # reverted one at a time, in the order they came
+            engine.revert(only=[patch_id])
+            applied.discard(patch_id)
+            _check_hierarchy(core, applied)
+        assert {cls: dict(vars(cls)) for cls in namespaces} == namespaces
+        for patch_id in reversed(order):
+            engine.apply(only=[patch_id])
+        for reverted_one in order:  # each alone, from all three
+            engine.revert(only=[reverted_one])
+            _check_hierarchy(core, {BASE, SUB, GRAND} - {reverted_one})
+            engine.apply(only=[reverted_one])
+            _check_hierarchy(core, {BASE, SUB, GRAND})
+        with engine.reverted():
+            _check_hierarchy(core, set())
+            assert {cls: dict(vars(cls)) for cls in namespaces} == namespaces
+        _check_hierarchy(core, {BASE, SUB, GRAND})
+    assert {cls: dict(vars(cls)) for cls in namespaces} == namespaces
+
+
+def test_a_subclass_layer_that_cannot_follow_its_base_fails_whole(toy):
+    # The base patch comes after the subclass patch, whose replace() raises when built again onto
+    # it: the subclass patch says so and leaves the class's namespace as it was; the base stays.
+    core = toy.import_core()
+    calls = []
+
+    def once(original, variant):
+        if calls:
+            raise RuntimeError("built twice")
+        calls.append(original)
+        return _then(doubled)(original, variant)
+
+    base, sub, _ = _hierarchy_patches(toy, sub_replace=once)
+    with engine.isolated([base, sub], distribution=toy.name):
+        engine.apply(only=[SUB])
+        assert core.Child().compute(1) == 4
+        engine.apply(only=[BASE])
+        states = {s.id: s for s in engine.status()}
+        assert states[BASE].state == engine.APPLIED
+        assert states[SUB].state == engine.FAILED
+        assert "RuntimeError while layering it again" in states[SUB].reason
+        assert "compute" not in vars(core.Child)
+        assert core.Child().compute(1) == 3
+
