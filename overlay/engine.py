@@ -127,6 +127,15 @@ class _Record:
     patch: Patch
     status: PatchStatus
     swaps: list[Swap] = field(default_factory=list)
+    # The version label put the release outside the patch's range ("fixed upstream", "out of
+    # range"): a verdict the code outranks where the release facts know it, read once the
+    # target module has executed (_apply_patch), as for a pending record.
+    label_only: bool = False
+
+    @property
+    def awaits_code(self) -> bool:
+        """Whether the target module's code is still to be judged (the module is watched)."""
+        return self.status.state == PENDING or self.label_only
 
 
 @dataclass(frozen=True)
@@ -218,14 +227,15 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
         func = judged[target.key]
         return None if func is None else source_of(func)
 
-    # The version half of the verdict was decided when the record was made (it is PENDING only
-    # then): what is left to judge is the code.
+    # The version half of the verdict was decided when the record was made (PENDING: in range;
+    # label_only: outside it): what is left to judge is the code, which decides where it is code
+    # the release facts know (_code_decides).
     verdict = judge_code(patch, read_source)
-    if verdict.state != APPLIED:
-        reason = verdict.reason
-        if verdict.state == UNRECOGNISED:
+    state, reason = _code_decides(record, verdict)
+    if state != APPLIED:
+        if state == UNRECOGNISED:
             reason = foreign_code(patch, judged) or reason
-        _set(record, verdict.state, reason, verdict.labels)
+        _set(record, state, reason, verdict.labels if state == verdict.state else ())
         return False
     try:
         record.swaps = swap_in(patch.id, verdict.matches, located)
@@ -239,8 +249,63 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
         if failed is record:
             return False
     _engine.ever_patched.add(module.__name__)
-    _set(record, APPLIED, verdict.reason, verdict.labels)
+    _set(record, APPLIED, reason, verdict.labels)
     return True
+
+
+def _code_decides(record: _Record, verdict: Any) -> tuple[str, str]:
+    """(state, reason) of a record whose code ``verdict`` (:func:`overlay.patch.judge_code`) is in:
+    known code decides whatever the version label said (a source tree or vendored copy first on
+    the path, a fork with its own version), and the reason names both where they disagree;
+    unknown code leaves a label outside the range its verdict, and is "unrecognised" inside it."""
+    in_range = not record.label_only
+    record.label_only = False  # judged now: a reload starts over from the label (_forget_reexecuted)
+    label = record.status.transformers_version
+    if verdict.state == UNRECOGNISED:
+        return (verdict.state, verdict.reason) if in_range else (record.status.state, record.status.reason)
+    if in_range:
+        disagrees = verdict.state != APPLIED or not _labels_name(verdict.labels, label)
+    else:
+        disagrees = verdict.state != record.status.state
+    if not disagrees:
+        return verdict.state, verdict.reason if in_range else record.status.reason
+    as_in = f" (the code is as in {', '.join(verdict.labels)})" if verdict.state == APPLIED and verdict.labels else ""
+    if record.status.state == UNRECOGNISED and not in_range:  # judge_version's word for a label that is not PEP 440
+        where = "which is not a PEP 440 version"
+    else:
+        where = f"inside {record.patch.affected}" if in_range else f"outside {record.patch.affected}"
+    return verdict.state, (
+        f"{verdict.reason}{as_in}: the code decides, though {_label_said(label)}, {where} "
+        "(another transformers' code first on the path, or a fork with its own version)"
+    )
+
+
+def _labels_name(labels: tuple[str, ...], version: str | None) -> bool:
+    """Whether every release label of the matched code names ``version`` (a label that is not
+    one of the release facts' labels, a version that is not PEP 440, and a release newer than the
+    facts know, whose code they cannot tell, count as naming it)."""
+    from packaging.version import InvalidVersion, Version
+
+    from .releases import label_covers, newest_release
+
+    try:
+        # A dev or local build (5.19.0.dev0, 5.18.0+neuron) is named by its release number.
+        release = None if version is None else Version(version).base_version
+        if release is None or Version(release) > Version(newest_release()):
+            return True
+        return all(label_covers(label, release) is not False for label in labels)
+    except InvalidVersion:
+        return True
+
+
+def _label_said(version: str | None) -> str:
+    """What the version label says: the package metadata's, and ``transformers.__version__``
+    where the imported package says otherwise."""
+    said = f"the package metadata of {_engine.distribution} says {version}"
+    imported = getattr(sys.modules.get(_engine.distribution), "__version__", None)
+    if isinstance(imported, str) and imported != version:
+        said += f" (and {_engine.distribution}.__version__ {imported})"
+    return said
 
 
 def _set(record: _Record, state: str, reason: str, variants: tuple[str, ...] = ()) -> None:
@@ -268,10 +333,14 @@ def known_patches() -> tuple[Patch, ...]:
 
 
 def _initial_record(patch: Patch, version: str | None, disabled: frozenset[str]) -> _Record:
+    label_only = False
     if patch.id in disabled or "all" in disabled:
         state, reason = DISABLED, f"disabled by {config.DISABLE_VAR}"
     else:
         state, reason = gate(patch, version)
+        # Outside the range by the version label alone (or a label that is not PEP 440): the code
+        # is judged too once its module has executed, and decides where the release facts know it.
+        label_only = state in (FIXED_UPSTREAM, OUT_OF_RANGE) or (state == UNRECOGNISED and version is not None)
     status = PatchStatus(
         id=patch.id,
         title=patch.title,
@@ -282,7 +351,7 @@ def _initial_record(patch: Patch, version: str | None, disabled: frozenset[str])
         affected=patch.affected,
         fixed_in=patch.fixed_in,
     )
-    return _Record(patch=patch, status=status)
+    return _Record(patch=patch, status=status, label_only=label_only)
 
 
 # -- activation ----------------------------------------------------------------------------
@@ -322,7 +391,12 @@ def _forget_reexecuted(module: ModuleType) -> None:
         if all(raw is None or carries(function_of(raw), record.patch.id) for raw in current):
             continue
         record.swaps = []  # the owners are the old module's objects: nothing to put back there
-        _set(record, PENDING, f"{module.__name__} was executed again (reload); patching the new code")
+        # Judged again from the version label on, as when the record was made (_initial_record).
+        state, reason = gate(record.patch, record.status.transformers_version)
+        record.label_only = state != PENDING
+        if state == PENDING:
+            reason = f"{module.__name__} was executed again (reload); patching the new code"
+        _set(record, state, reason)
 
 
 def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> list[str]:
@@ -333,7 +407,7 @@ def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> l
     swapped: list[str] = []
     problems: list[str] = []
     for record in _engine.records.values():
-        if record.patch.module != module.__name__ or record.status.state != PENDING:
+        if record.patch.module != module.__name__ or not record.awaits_code:
             continue
         try:
             applied_now = _apply_patch(record, module)
@@ -388,15 +462,13 @@ def _activate(settings: Settings, only: Iterable[str] | None, *, from_startup: b
                 continue
             if record is None or record.status.state in (INACTIVE, DISABLED):
                 _engine.records[patch.id] = _initial_record(patch, _engine.version, settings.disabled)
-        executing = _engine.imports.watch(
-            {r.patch.module for r in _engine.records.values() if r.status.state == PENDING}
-        )
+        executing = _engine.imports.watch({r.patch.module for r in _engine.records.values() if r.awaits_code})
         if config.report_at_exit():
             from . import report
 
             report.print_report_at_exit(patches, displaced=_displaced)
         problems: list[str] = []
-        for name in sorted({r.patch.module for r in _engine.records.values() if r.status.state == PENDING}):
+        for name in sorted({r.patch.module for r in _engine.records.values() if r.awaits_code}):
             module = sys.modules.get(name)
             if module is None or name in executing:
                 continue  # not imported yet, or executing now: judged by its post-import hook
@@ -516,6 +588,7 @@ def revert(only: Iterable[str] | None = None) -> list[PatchStatus]:
         _revert_records(chosen)
         for record in chosen:
             _set(record, INACTIVE, "reverted")
+            record.label_only = False
         if all(r.status.state == INACTIVE for r in _engine.records.values()):
             _engine.settings = None
             _engine.imports.unwatch_all()
@@ -586,16 +659,18 @@ def applied(*, only: Iterable[str] | None = None, strict: bool | None = None) ->
     """Apply for the duration of a ``with`` block; afterwards revert what this block applied and
     put back the settings that were in force before it. A patch the block left waiting for its
     module's import stops waiting too: a module first imported after the block stays stock."""
-    in_play = (APPLIED, PENDING)
+    def in_play() -> set[str]:  # applied, or waiting for its module's code
+        return {pid for pid, r in _engine.records.items() if r.status.state == APPLIED or r.awaits_code}
+
     with _engine.lock:
-        before = {pid for pid, r in _engine.records.items() if r.status.state in in_play}
+        before = in_play()
         previous = _engine.settings
         try:
             result = apply(strict=strict, only=only)
         except BaseException:
             _restore_settings(previous)
             raise
-        mine = [s.id for s in result if s.state in in_play and s.id not in before]
+        mine = sorted(in_play() - before)
     try:
         yield result
     finally:

@@ -138,11 +138,37 @@ def overlay_lines() -> Lines:
 
 def package_lines() -> Lines:
     lines = {name: distribution_version(name) for name in ("transformers", "torch")}
+    # The code on the path may not be the distribution installed (a source tree or vendored copy
+    # first on the path, a fork with its own version): the patches judge the code, the block shows both.
+    code_version = _guarded("transformers.__version__", transformers_code_version)["transformers.__version__"]
+    if code_version != lines["transformers"] and code_version != NOT_INSTALLED:
+        code_version += " (not the package metadata's: each patch judges the code it finds)"
+    lines = {"transformers": lines["transformers"], "transformers.__version__": code_version, "torch": lines["torch"]}
     if lines["torch"] != NOT_INSTALLED:
         lines["torch build"] = _guarded("torch build", torch_build)["torch build"]
     lines.update(_guarded("accelerator plug-ins", plugin_lines))
     lines.update((name, distribution_version(name)) for name in LIBRARIES)
     return lines
+
+
+def transformers_code_version() -> Lines:
+    """``transformers.__version__`` of the transformers the path finds: the imported module's, or
+    else read from its ``__init__.py`` without importing it (which takes seconds)."""
+    import ast
+
+    module = sys.modules.get("transformers")
+    if module is not None and isinstance(getattr(module, "__version__", None), str):
+        return {"transformers.__version__": module.__version__}
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return {"transformers.__version__": NOT_INSTALLED}
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), spec.origin)
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "__version__" and isinstance(node.value, ast.Constant)):
+            return {"transformers.__version__": str(node.value.value)}
+    return {"transformers.__version__": f"not found in {spec.origin}"}
 
 
 def torch_build() -> Lines:

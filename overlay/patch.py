@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, cast
 
 #: The names other modules use; the rest is this module's own.
 __all__ = [
-    "ABSENT_OPTIONAL", "APPLIED", "FAILED", "FIXED", "FIXED_UPSTREAM", "MISSING", "NEW", "NOT_INSTALLED", "ORIGINAL",
+    "ABSENT_OPTIONAL", "APPLIED", "BEFORE", "FAILED", "FIXED", "FIXED_UPSTREAM", "MISSING", "NEW", "NOT_INSTALLED", "ORIGINAL",
     "OUT_OF_RANGE", "PATCH_MARKER", "PENDING", "Patch", "Target", "UNRECOGNISED", "Variant", "argument_reader", "assess",
     "block_at", "code_in_module", "fingerprint", "fingerprint_source", "function_of", "judge_code", "lowest_release",
     "source_in_module_text", "source_of", "wraps",
@@ -85,6 +85,9 @@ class Target:
     fills both from ``patches/releases.json``. Tests and tools build targets with them directly."""
     fixed: Mapping[str, str] = field(default_factory=dict)
     """Fingerprints meaning "upstream already ships the fix" -> release label."""
+    before: Mapping[str, str] = field(default_factory=dict)
+    """Fingerprints of code from before the bug arrived -> release label (filled from the data
+    like ``fixed``): such code is out of the patch's range whatever the release number says."""
     optional: bool = False
     """When true, a release where the attribute does not exist is fine (target skipped)."""
     inherited_from: str | None = None
@@ -392,6 +395,7 @@ PENDING = "pending"  # version in range; the code has not been read (module not 
 ORIGINAL = "original"
 FIXED = "fixed"
 NEW = "new"  # present, but no known fingerprint
+BEFORE = "before"  # code from before the bug arrived (a release older than the patch's range ships it)
 MISSING = "missing"
 ABSENT_OPTIONAL = "absent (optional)"
 UNREADABLE = "unreadable"  # present, but its source cannot be read
@@ -418,7 +422,7 @@ class Verdict:
     @property
     def labels(self) -> tuple[str, ...]:
         """Release labels of the code the decisive targets matched."""
-        wanted = ORIGINAL if self.state == APPLIED else FIXED
+        wanted = {APPLIED: ORIGINAL, OUT_OF_RANGE: BEFORE}.get(self.state, FIXED)
         return tuple(m.label for m in self.matches if m.match == wanted and m.label is not None)
 
 
@@ -480,6 +484,8 @@ def match_target(target: Target, source: str | None) -> TargetMatch:
         return TargetMatch(target, ORIGINAL, digest, variant, variant.label)
     if digest in target.fixed:
         return TargetMatch(target, FIXED, digest, label=target.fixed[digest])
+    if digest in target.before:
+        return TargetMatch(target, BEFORE, digest, label=target.before[digest])
     return TargetMatch(target, NEW, digest)
 
 
@@ -508,7 +514,10 @@ def judge_code(patch: Patch, read_source: Callable[[Target], str | None]) -> Ver
 
     - every present target a known original -> ``APPLIED`` (each match names its variant);
     - else any target new, missing or unreadable -> ``UNRECOGNISED``, naming the first;
+    - else any target from before the bug arrived -> ``OUT_OF_RANGE``;
     - else (known fixed code, possibly next to originals) -> ``FIXED_UPSTREAM``.
+
+    The same order as the release facts' verdict per release (:func:`overlay.releases.verdicts`).
     """
     found: list[TargetMatch] = []
     for target in patch.targets:
@@ -524,12 +533,18 @@ def judge_code(patch: Patch, read_source: Callable[[Target], str | None]) -> Ver
         if m.match == NEW:  # match_target gives every NEW match its digest (the `or` is for the type)
             return Verdict(UNRECOGNISED, (
                 f"{m.target.key} is not the code this patch was written for (sha256 {(m.digest or '')[:12]}); "
-                "not patched. Run scripts/fingerprint_release.py on this release, or report it"
+                "not patched. If this is a transformers release, report it with the output of `attn-overlay env` "
+                f"(docs/releases.md lists the releases each patch knows); ATTN_OVERLAY_DISABLE={patch.id} silences this"
             ), matches)
         if m.match == MISSING:
             return Verdict(UNRECOGNISED, f"{m.target.key} does not exist in this transformers release", matches)
         if m.match == UNREADABLE:
             return Verdict(UNRECOGNISED, m.detail, matches)
+    before = [m for m in matches if m.match == BEFORE]
+    if before:
+        return Verdict(OUT_OF_RANGE, "; ".join(
+            f"{m.target.key} is code from before the bug arrived (as in {m.label})" for m in before
+        ), matches)
     fixed = [m for m in matches if m.match == FIXED]
     if not fixed:
         return Verdict(UNRECOGNISED, "none of the patch's targets exists in this release", matches)

@@ -36,19 +36,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import _patch_files
-from .patch import FIXED, Patch, Target, Variant
+from .patch import BEFORE, FIXED, Patch, Target, Variant
 
 #: The names other modules use; the rest is this module's own.
 __all__ = [
     "BEFORE", "FIXED", "NO_RELEASE", "allow_drafts", "codes_of", "data_path", "derive", "label", "label_covers",
-    "label_runs", "load", "patch_with_release_facts",
+    "label_runs", "load", "newest_release", "patch_with_release_facts",
 ]
 
 #: Where the data lives: beside the patch files, in the package they ship in.
 FILENAME = "releases.json"
-#: The code kinds the data names besides a variant's name: ``FIXED`` (upstream's fix; the same word
-#: :func:`overlay.patch.assess` gives such code) and ``BEFORE`` (code from before the bug arrived).
-BEFORE = "before"
+#: The code kinds the data names besides a variant's name: ``FIXED`` (upstream's fix) and ``BEFORE``
+#: (code from before the bug arrived): the same words :func:`overlay.patch.match_target` gives such code.
 #: Placeholder in a patch's ``upstream`` text for the newest release the data covers.
 NEWEST = "{newest_release}"
 #: Placeholder in a patch's ``upstream`` text for the derived first release with the fix.
@@ -84,6 +83,11 @@ def load() -> dict[str, Any]:
                 "reinstall it: pip install --force-reinstall --no-deps attn-overlay"
             ) from exc
     return _loaded
+
+
+def newest_release() -> str:
+    """The newest release the data covers."""
+    return str(load()["releases"][-1])
 
 
 def label(shipped: Sequence[str], releases: Sequence[str]) -> str:
@@ -149,6 +153,7 @@ class Derived:
 
     originals: dict[str, dict[str, Variant]]  # target key -> sha256 -> variant (label derived)
     fixed: dict[str, dict[str, str]]  # target key -> sha256 -> label
+    before: dict[str, dict[str, str]]  # target key -> sha256 -> label of code from before the bug
     affected: str
     fixed_in: str | None
     introduced_in: str | None
@@ -200,14 +205,17 @@ def derive(patch_id: str, targets: Sequence[Target], data: Mapping[str, Any] | N
         raise ValueError(f"{where} names targets the patch does not declare: {', '.join(unknown)}")
     originals: dict[str, dict[str, Variant]] = {}
     fixed: dict[str, dict[str, str]] = {}
+    before_bug: dict[str, dict[str, str]] = {}
     for target in targets:
         names = variant_names(target)
-        originals[target.key], fixed[target.key] = {}, {}
+        originals[target.key], fixed[target.key], before_bug[target.key] = {}, {}, {}
         for digest, entry in facts.get(target.key, {}).items():
             code, shipped = entry["code"], entry["releases"]
             if code == FIXED:
                 fixed[target.key][digest] = label(shipped, releases)
-            elif code != BEFORE:
+            elif code == BEFORE:
+                before_bug[target.key][digest] = label(shipped, releases)
+            else:
                 if code not in names:
                     raise ValueError(
                         f"{where}: {target.key} code {digest[:12]} is variant {code!r}, which the target does not "
@@ -237,7 +245,7 @@ def derive(patch_id: str, targets: Sequence[Target], data: Mapping[str, Any] | N
     before = [r for r in releases[:first] if by_release[r] == BEFORE]
     introduced_in = affected_releases[0] if before else None
     affected = f">={affected_releases[0]}" + (f",<{fixed_in}" if fixed_in else "")
-    return Derived(originals, fixed, affected, fixed_in, introduced_in, releases[-1])
+    return Derived(originals, fixed, before_bug, affected, fixed_in, introduced_in, releases[-1])
 
 
 def patch_with_release_facts(*, targets: Sequence[Target], **declared: Any) -> Patch:
@@ -248,7 +256,7 @@ def patch_with_release_facts(*, targets: Sequence[Target], **declared: Any) -> P
             raise TypeError(f"patch {declared.get('id')!r}: {name} is derived from {FILENAME}; do not declare it")
     targets = tuple(targets)
     for target in targets:
-        if target.originals or target.fixed:
+        if target.originals or target.fixed or target.before:
             raise TypeError(
                 f"patch {declared.get('id')!r}: {target.key} declares fingerprints; they belong in {FILENAME} "
                 "(scripts/fingerprint_release.py --add)"
@@ -257,7 +265,8 @@ def patch_with_release_facts(*, targets: Sequence[Target], **declared: Any) -> P
         return Patch(**declared, targets=targets, affected="<0", fixed_in=None)
     derived = derive(declared["id"], targets)
     targets = tuple(
-        dataclasses.replace(t, originals=derived.originals[t.key], fixed=derived.fixed[t.key]) for t in targets
+        dataclasses.replace(t, originals=derived.originals[t.key], fixed=derived.fixed[t.key], before=derived.before[t.key])
+        for t in targets
     )
     upstream = declared.pop("upstream")
     if FIXED_IN in upstream and derived.fixed_in is None:

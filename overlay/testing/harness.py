@@ -202,6 +202,17 @@ def _label_runs(label: str) -> list[tuple[str, str]]:
     return runs
 
 
+def fake_version_label(directory: Any, label: str, distribution: str = "transformers") -> str:
+    """A folder (made in ``directory``) whose metadata says ``distribution`` is release ``label``:
+    first on ``PYTHONPATH`` it is what ``importlib.metadata`` reads, while ``import`` still finds the
+    installed code (a source tree or vendored copy first on the path, a fork with its own version)."""
+    dist = os.path.join(os.fspath(directory), f"{distribution}-{label}.dist-info")
+    os.makedirs(dist)
+    with open(os.path.join(dist, "METADATA"), "w", encoding="utf-8") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {label}\n")
+    return os.fspath(directory)
+
+
 def _environment(extra: dict[str, str] | None) -> dict:
     # The overlay stays off unless the worker applies it; one thread per worker on shared CPUs.
     env = dict(os.environ, ATTN_OVERLAY="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

@@ -7,6 +7,7 @@ import inspect
 import logging
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -98,15 +99,65 @@ def test_replacement_keeps_name_doc_signature_and_marker(toy):
     ],
 )
 def test_version_gate(tmp_path, version, expected):
+    # The label decides alone where the code is none the patch knows (a release after the data's
+    # newest, say): here the installed compute matches neither the original nor the fixed print,
+    # except on the in-range labels, whose code the patch knows (the toy's own).
     package = _toy_at(tmp_path, version)
+    known = expected == engine.APPLIED
+    unknown = {} if known else {"0" * 64: "1.x"}
     try:
-        with engine.isolated([toy_patch(package)], distribution=package.name):
+        with engine.isolated([toy_patch(package, originals=unknown or None, fixed=unknown and {"1" * 64: "2.x"})],
+                             distribution=package.name):
             engine.apply()
             core = package.import_core()
             state = _state()
             assert state.state == expected, state.reason
             assert version in state.reason or expected == engine.APPLIED
             assert core.Mixin().compute(1) == (3 if expected == engine.APPLIED else 2)
+    finally:
+        remove_from_path(package)
+
+
+BEFORE_COMPUTE = CORE_SOURCE.replace("return x + 1", "return x + 1  # before the bug, as the data says")
+
+
+@pytest.mark.parametrize(
+    ("version", "source", "expected", "disagrees"),
+    [
+        # The bug's code under labels outside the range: the patch applies, and says why.
+        ("0.9", CORE_SOURCE, engine.APPLIED, "outside >=1.0,<2.0"),
+        ("2.3.1", CORE_SOURCE, engine.APPLIED, "outside >=1.0,<2.0"),
+        # Upstream's fix, or code from before the bug, under a label inside the range.
+        ("1.5.0", FIXED_COMPUTE, engine.FIXED_UPSTREAM, "inside >=1.0,<2.0"),
+        ("1.5.0", BEFORE_COMPUTE, engine.OUT_OF_RANGE, "inside >=1.0,<2.0"),
+        # The fix under a label from before the range: fixed upstream, not "out of range".
+        ("0.9", FIXED_COMPUTE, engine.FIXED_UPSTREAM, "outside >=1.0,<2.0"),
+        # Where they agree, nothing is said of the label.
+        ("2.3.1", FIXED_COMPUTE, engine.FIXED_UPSTREAM, None),
+        ("1.5.0", CORE_SOURCE, engine.APPLIED, None),
+        ("0.9", BEFORE_COMPUTE, engine.OUT_OF_RANGE, None),
+    ],
+    ids=["bug-under-older-label", "bug-under-newer-label", "fix-under-affected-label", "before-under-affected-label",
+         "fix-under-older-label", "fix-agrees", "bug-agrees", "before-agrees"],
+)
+def test_the_code_decides_where_the_release_facts_know_it(tmp_path, version, source, expected, disagrees):
+    package = _toy_at(tmp_path, version, source=source)
+    before = {package.fingerprint("def compute", BEFORE_COMPUTE): "0.x"}
+    patch = toy_patch(package)
+    patch = replace(patch, targets=(replace(patch.targets[0], before=before),))
+    try:
+        with engine.isolated([patch], distribution=package.name):
+            engine.apply()
+            core = package.import_core()
+            state = _state()
+            assert state.state == expected, state.reason
+            patched = getattr(vars(core.Mixin)["compute"], PATCH_MARKER, None)
+            assert patched == ("toy-add-two" if expected == engine.APPLIED else None)
+            if disagrees is None:
+                assert "the code decides" not in state.reason
+            else:
+                assert f"the code decides, though the package metadata of {package.name} says {version}, {disagrees}" \
+                    in state.reason
     finally:
         remove_from_path(package)
 
@@ -309,8 +360,20 @@ def test_disable_variable_leaves_a_patch_out(toy, monkeypatch):
 
 def test_invalid_version_string_is_reported_not_raised(tmp_path):
     package = _toy_at(tmp_path, "not-a-version")
+    unknown = {"0" * 64: "1.x"}
     try:
-        _assert_left_stock(package, package.name, engine.UNRECOGNISED, "not a PEP 440 version")
+        with engine.isolated([toy_patch(package, originals=unknown, fixed=unknown)], distribution=package.name):
+            engine.apply()
+            core = package.import_core()
+            assert core.Mixin().compute(1) == 2
+            assert _state().state == engine.UNRECOGNISED
+            assert "not a PEP 440 version" in _state().reason
+        # Code the patch knows decides, whatever the label is (a fork's own version string).
+        with engine.isolated([toy_patch(package)], distribution=package.name):
+            engine.apply()
+            assert core.Mixin().compute(1) == 3
+            assert _state().state == engine.APPLIED
+            assert "metadata of {} says not-a-version, which is not a PEP 440 version".format(package.name) in _state().reason
     finally:
         remove_from_path(package)
 

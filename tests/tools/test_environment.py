@@ -79,6 +79,7 @@ def test_the_block_has_every_key_and_names_torchs_version(block):
         assert key in lines, key
     assert lines["attn-overlay"] == f"{__version__} ({REPO / 'overlay'})"
     assert lines["transformers"] == version("transformers")
+    assert lines["transformers.__version__"] == version("transformers")  # read from its __init__.py, not imported
     assert lines["torch"] == version("torch")
     import torch
 
@@ -309,3 +310,18 @@ def test_a_gaudi_card_is_the_accelerator_with_its_plugins_version(tmp_path):
     assert lines["habana-torch-plugin"] == HPU_PLUGIN_VERSION
     assert "accelerator problems" not in lines
     assert list(lines).index("habana-torch-plugin") < list(lines).index("accelerate")  # next to torch
+
+
+def test_the_block_shows_transformers_version_beside_a_metadata_that_says_otherwise(tmp_path):
+    # Issue 38: 5.18.0's code under metadata saying 5.26.0 (a source tree, a vendored copy, a fork):
+    # the block shows both, and says that the patches judge the code.
+    from overlay.testing.harness import fake_version_label
+
+    label = fake_version_label(tmp_path, "5.26.0")
+    done = subprocess.run([sys.executable, "-m", "overlay.apply", "--env"], capture_output=True, text=True,
+                          cwd=REPO, env=dict(os.environ, PYTHONPATH=label), timeout=300)
+    lines = _parse_block(done.stdout)
+    assert lines["transformers"] == "5.26.0", done.stderr
+    assert lines["transformers.__version__"] == (
+        f"{version('transformers')} (not the package metadata's: each patch judges the code it finds)"
+    )

@@ -22,6 +22,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -33,6 +34,7 @@ import readme_table  # noqa: E402
 import overlay  # noqa: E402
 from overlay import engine  # noqa: E402
 from overlay.patch import PATCH_MARKER, fingerprint  # noqa: E402
+from overlay.testing.harness import fake_version_label  # noqa: E402
 
 pytestmark = pytest.mark.lane  # every release lane runs this module (noxfile.py)
 
@@ -278,3 +280,44 @@ def test_every_patch_has_tests_that_the_release_lanes_run():
     # One place per patch: a folder of tests/patches/ for each patch module, and no other folder there.
     folders = {path.name for path in (REPO / "tests" / "patches").iterdir() if path.is_dir() and path.name != "__pycache__"}
     assert folders == set(package.PATCH_MODULES), (sorted(folders - set(package.PATCH_MODULES)), sorted(set(package.PATCH_MODULES) - folders))
+
+
+# -- the code decides, not the version label ------------------------------------------------------
+
+#: A label the installed code is not: a release after the data's newest on the releases before
+#: the last fixes, one from before most patches' ranges after them.
+OTHER_LABEL = "5.26.0" if Version(INSTALLED) < Version("5.20.0") else "4.55.0"
+
+_STATUSES_UNDER_LABEL = """
+import importlib, json, overlay
+overlay.apply()
+for patch in overlay.engine.known_patches():
+    try:
+        importlib.import_module(patch.module)
+    except Exception:
+        pass
+print("STATUSES=" + json.dumps({s.id: [s.state, s.reason] for s in overlay.status()}))
+"""
+
+
+def test_the_installed_code_decides_under_another_version_label(tmp_path):
+    # Issue 38: 5.18.0's code under metadata saying 5.26.0 had 24 patches "fixed upstream".
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([fake_version_label(tmp_path, OTHER_LABEL), str(REPO)]),
+               ATTN_OVERLAY="0")
+    done = subprocess.run([sys.executable, "-c", _STATUSES_UNDER_LABEL], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("STATUSES=")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    statuses = json.loads(lines[-1][len("STATUSES="):])
+    for patch in PATCHES:
+        state, reason = statuses[patch.id]
+        expected = EXPECTED[patch.id]
+        if expected in (matrix_data.APPLIED, matrix_data.FIXED_UPSTREAM):
+            # Code the release facts know decides: the state the installed release gets.
+            assert state == expected, (patch.id, reason)
+        else:  # code from before the bug: never patched, whatever the label says
+            assert state != matrix_data.APPLIED, (patch.id, reason)
+        by_label = matrix_data.expected_status(patch, OTHER_LABEL)
+        if state != by_label:
+            assert f"the code decides, though the package metadata of transformers says {OTHER_LABEL}" in reason, reason
+            assert f"transformers.__version__ {INSTALLED}" in reason, reason

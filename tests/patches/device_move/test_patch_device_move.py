@@ -26,7 +26,7 @@ import pytest
 from packaging.version import Version
 
 from overlay.patch import Variant
-from overlay.testing.harness import PatchUnderTest, assert_generated, run_json_worker
+from overlay.testing.harness import PatchUnderTest, assert_generated, fake_version_label, run_json_worker
 
 PATCH = PatchUnderTest("device_move")
 PATCH.skip_module_unless_covered()  # before 5.13.0 prepare_inputs_for_generation moves nothing
@@ -286,6 +286,22 @@ def test_wrapper_applied_by_hand_to_the_installed_code(matrix, model):
     assert run["ids"] == matrix["runs"][model]["cpu"]
 
 
+def test_the_code_decides_under_a_newer_version_label(tmp_path):
+    # Issue 38: this release's code under package metadata that says 5.26.0 (a source tree or a
+    # vendored copy first on the path, a fork with its own version) was "fixed upstream", and the
+    # host-input static-cache case kept failing. The code is the bug's: the patch applies.
+    if not PATCH.affected:
+        pytest.skip(f"transformers {PATCH.transformers} ships the fix: its code decides the same")
+    label = fake_version_label(tmp_path / "label", "5.26.0")
+    matrix = run_json_worker(Path(__file__).resolve(), ["fakeaccel", "gemma3"], marker=RESULT_MARKER,
+                             timeout=WORKER_TIMEOUT_S, cwd=str(tmp_path), env={"PYTHONPATH": label})
+    assert matrix["status"]["state"] == "applied", matrix["status"]
+    assert "the code decides, though the package metadata of transformers says 5.26.0" in matrix["status"]["reason"]
+    runs = matrix["runs"]["gemma3"]
+    assert not runs["stock"]["host_static"]["ok"] and mismatch_error(matrix["device"]) in runs["stock"]["host_static"]["error"]
+    assert runs["patched"]["host_static"]["ids"] == runs["patched"]["device_static"]["ids"] == runs["cpu"]
+
+
 @pytest.mark.gpu
 def test_cuda_host_inputs_with_static_cache(tmp_path):
     """The host-input static-cache case on a real GPU (skipped without CUDA: tests/conftest.py)."""
@@ -305,7 +321,7 @@ def test_cuda_host_inputs_with_static_cache(tmp_path):
 # -- the worker -------------------------------------------------------------------------------------
 
 
-def _worker(device_spec: str) -> dict:
+def _worker(device_spec: str, models: tuple[str, ...] = MODELS) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -327,9 +343,10 @@ def _worker(device_spec: str) -> dict:
     # Two query heads sharing one KV head of 16; Gemma 3: a sliding (window 4) and a full layer.
     sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                  max_position_embeddings=64, sliding_window=4)
-    configs = {kind: tiny_config(kind, **sizes) for kind in MODELS}
-    assert configs["gemma3"].layer_types == ["sliding_attention", "full_attention"]
-    assert configs["qwen3"].layer_types and not hasattr(configs["llama"], "layer_types")
+    configs = {kind: tiny_config(kind, **sizes) for kind in models}
+    assert "gemma3" not in configs or configs["gemma3"].layer_types == ["sliding_attention", "full_attention"]
+    assert "qwen3" not in configs or configs["qwen3"].layer_types
+    assert "llama" not in configs or not hasattr(configs["llama"], "layer_types")
 
     host_ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])  # left-padded with pad id 0
     host_mask = (host_ids != 0).long()
@@ -407,6 +424,9 @@ def _worker(device_spec: str) -> dict:
             runs["by_hand"] = {"host_static": generate(model, *cases["host_static"])}
         results["runs"][name] = runs
 
+    if models != MODELS:  # a few models asked for: the override case runs with the whole matrix only
+        return results
+
     class Gemma3WithOwnPrepareInputs(transformers.Gemma3ForCausalLM):
         super_calls = 0
 
@@ -430,4 +450,4 @@ def _worker(device_spec: str) -> dict:
 if __name__ == "__main__":
     import json
 
-    print(RESULT_MARKER + json.dumps(_worker(sys.argv[1])), flush=True)
+    print(RESULT_MARKER + json.dumps(_worker(sys.argv[1], tuple(sys.argv[2:]) or MODELS)), flush=True)
