@@ -32,7 +32,6 @@ def _path_as_dash_c_has_it() -> None:
 def main(argv: list[str]) -> int:
     (package_root,) = argv
     # Imported here, once sys.path[0] is the working directory (see above), not this file's folder.
-    import importlib
     import json
     import logging
     import os
@@ -72,13 +71,7 @@ def main(argv: list[str]) -> int:
         sys.path.insert(0, package_root)
     import overlay.engine as engine
 
-    modules = sorted({p.module for p in engine.known_patches()})
-    errors = {}
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # every failure is a result: the parent reports it
-            errors[name] = f"{type(exc).__name__}: {exc}"
+    errors = engine.import_target_modules()  # every failure is a result: the parent reports it
     hook_active = hook_ran and engine.is_active()
     if not hook_active:
         # Still show what the patches would reach here: the same gate on the same code, applied

@@ -13,10 +13,14 @@ block by :mod:`overlay.environment`.
 ``hook``              ``{"active": true|false|null, "verified": bool, "reason": str|null}``: whether the
                       startup hook activates the overlay in a fresh process of this interpreter
                       (null: not checked, ``--no-verify`` or transformers not installed), and why not
+                      (where null: why it was not checked)
 ``patches``           one object per patch: ``id, title, state, reason, module, transformers_version,
                       affected, fixed_in, variants`` and ``would_be`` (the state the patch would reach
-                      if the hook were active; null when it is active)
-``import_errors``     target modules that failed to import in the verification process
+                      if the hook were active; null when it is active, and with ``--no-verify``, whose
+                      states are those the patches reach in the reporting process itself, the overlay
+                      activated there as the fresh process would)
+``import_errors``     target modules that failed to import in the verification process (``--no-verify``:
+                      in the reporting process)
 ``settings``          one object per setting of ``overlay/config.py``'s table, keyed by its environment
                       variable, in table order: ``value`` (the value in force: a bool, a string, a
                       list of patch ids, or null for a default location), ``source``
@@ -54,7 +58,7 @@ from ._version import __version__
 from .environment import why_the_hook_is_inactive
 
 # The report and the hook's check live in install_check; their names stay readable here.
-from .install_check import SCHEMA, build_report, interpreter_flags, setting_problems
+from .install_check import HOOK_NOT_CHECKED, SCHEMA, build_report, interpreter_flags, setting_problems
 
 __all__ = [
     "SCHEMA", "build_report", "interpreter_flags", "main", "print_environment", "report", "run_program",
@@ -95,7 +99,12 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "fails; the report also when the hook is inactive or a setting is outside the table "
         "(overlay/config.py); same as ATTN_OVERLAY_STRICT=1",
     )
-    parser.add_argument("--no-verify", action="store_true", help="skip the fresh-subprocess check")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the fresh-subprocess check of the startup hook (reported as not checked); the "
+        "patches are judged in this process instead, with the overlay activated here",
+    )
     parser.add_argument(
         "--env",
         action="store_true",
@@ -183,6 +192,8 @@ def report(args: argparse.Namespace) -> int:
                     "  No program gets these patches until then, except through `python -m overlay.apply PROGRAM.py`"
                     " or `overlay.apply()`; the status column says what they would reach."
                 )
+        elif hook["reason"] == HOOK_NOT_CHECKED:
+            print(f"\nstartup hook: {hook['reason']}")
         elif hook["reason"]:
             print(f"\n{hook['reason']}")
         print("\n" + _settings_table(result["settings"]))

@@ -62,7 +62,8 @@ from .swapping import (
 __all__ = [
     "APPLIED", "BAD_STATES", "DISABLED", "DISPLACED", "FAILED", "FIXED_UPSTREAM", "INACTIVE", "NOT_INSTALLED",
     "OUT_OF_RANGE", "OverlayError", "PENDING", "PatchStatus", "TRANSFORMERS", "UNRECOGNISED", "activation_error", "applied",
-    "apply", "gate", "installed_transformers_version", "is_active", "isolated", "known_patches", "revert", "reverted",
+    "apply", "gate", "import_target_modules", "installed_transformers_version", "is_active", "isolated", "known_patches",
+    "revert", "reverted",
     "settings", "status",
 ]
 
@@ -330,6 +331,22 @@ def known_patches() -> tuple[Patch, ...]:
 
         _engine.patches = load_patches()
     return _engine.patches
+
+
+def import_target_modules() -> dict[str, str]:
+    """Import every patch's target module, as a program would, so that each patch is judged on the
+    installed code (the startup hook, where armed, activates the overlay on the first). Returns the
+    error of each module that could not be imported (a module of a release outside a patch's range
+    may not exist: only a patch it leaves pending is a problem)."""
+    import importlib
+
+    errors = {}
+    for name in sorted({patch.module for patch in known_patches()}):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # every failure is a result: the caller reports it
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return errors
 
 
 def _initial_record(patch: Patch, version: str | None, disabled: frozenset[str]) -> _Record:

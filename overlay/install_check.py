@@ -4,7 +4,12 @@
 every patch's status for the installed transformers and the settings in force, and, unless told
 not to, whether the startup hook really activates the overlay in a fresh process of this
 interpreter. That check runs :mod:`overlay._verify_child` by path, with this interpreter's flags
-(:func:`interpreter_flags`), and reads the one JSON line it prints last.
+(:func:`interpreter_flags`), and reads the one JSON line it prints last. Told not to
+(``--no-verify``), it judges the patches in this process instead (:func:`judge_here`) and says the
+hook was not checked.
+
+:func:`setting_problems` and :func:`overlay.engine.import_target_modules` are shared with the pytest plugin
+(``--attn-overlay-strict`` fails on what ``--strict`` fails on) and the child program.
 """
 
 from __future__ import annotations
@@ -16,19 +21,27 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import engine, environment
+from . import config, engine, environment
 from ._version import __version__
 from .environment import why_the_hook_is_inactive
 
 #: The names other modules use; the rest is this module's own.
 __all__ = [
-    "SCHEMA", "VERIFY_CHILD", "build_report", "interpreter_flags", "setting_problems",
+    "HOOK_NOT_CHECKED", "SCHEMA", "VERIFY_CHILD", "build_report", "interpreter_flags",
+    "judge_here", "setting_messages", "setting_problems",
 ]
 
 SCHEMA = 1
 
 #: The child program (run by path, never imported here: see its docstring).
 VERIFY_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_verify_child.py")
+
+#: The hook's ``reason`` where the fresh-subprocess check was skipped (``--no-verify``).
+HOOK_NOT_CHECKED = (
+    "not checked (--no-verify): the statuses are what the patches reach in this process, with the "
+    "overlay activated here; run without --no-verify to check that the startup hook activates it in "
+    "a fresh process"
+)
 
 
 def interpreter_flags() -> list[str]:
@@ -88,13 +101,19 @@ def build_report(verify: bool = True) -> dict[str, Any]:
         "hook": hook,
         "patches": [],
         "import_errors": {},
-        "settings": {value.setting.name: value.as_dict() for value in environment.settings_in_force()},
+        "settings": _settings_document(),
         "ok": True,
     }
-    if not verify or version is None:
+    if version is None:
         report["patches"] = [dict(s.as_dict(), would_be=None) for s in engine.status()]
-        if version is None:
-            hook["reason"] = "transformers is not installed: nothing to patch"
+        hook["reason"] = "transformers is not installed: nothing to patch"
+        return _finish(report)
+    if not verify:
+        # Without the fresh process, this one is judged: the statuses of a process that never
+        # activated the overlay would all read "inactive", whatever the hook does elsewhere.
+        report["import_errors"] = judge_here()
+        report["patches"] = [dict(s.as_dict(), would_be=None) for s in engine.status()]
+        hook["reason"] = HOOK_NOT_CHECKED
         return _finish(report)
     verified = verify_in_subprocess()
     if "error" in verified:
@@ -118,9 +137,48 @@ def build_report(verify: bool = True) -> dict[str, Any]:
     return _finish(report)
 
 
-def setting_problems(report: dict[str, Any]) -> list[str]:
-    """The report's bad settings: values outside the table (``--strict`` exits 1 on any)."""
-    return [entry["problem"] for entry in report["settings"].values() if entry["problem"]]
+def judge_here() -> dict[str, str]:
+    """Judge every patch in this process, as :mod:`overlay._verify_child` does in its own: import
+    the target modules, then activate the overlay explicitly where the startup hook did not (not
+    strict: a bad state is a status to report). Returns the import errors."""
+    import logging
+
+    errors = engine.import_target_modules()
+    if not engine.is_active():
+        # The modules are imported already: the engine's late-import warning would only say that
+        # this check imported them first. Silenced for this one call, as in the child.
+        overlay_logger = logging.getLogger(config.LOGGER_NAME)
+        level = overlay_logger.level
+        overlay_logger.setLevel(logging.ERROR)
+        try:
+            engine.apply(strict=False)
+        finally:
+            overlay_logger.setLevel(level)
+    return errors
+
+
+def _settings_document() -> dict[str, dict[str, Any]]:
+    """The report's ``settings``: each setting of the table in force, keyed by its variable."""
+    return {value.setting.name: value.as_dict() for value in environment.settings_in_force()}
+
+
+def setting_problems(report: dict[str, Any] | None = None) -> list[str]:
+    """The bad settings: values outside the table (``--strict`` exits 1 on any, and so does
+    ``pytest --attn-overlay-strict``): the report's, or, without one, those in force now."""
+    settings = _settings_document() if report is None else report["settings"]
+    return [entry["problem"] for entry in settings.values() if entry["problem"]]
+
+
+def setting_messages() -> list[str]:
+    """What the settings in force would make the engine warn about: each value outside the table
+    and each deprecated name, as the engine logs them (the pytest plugin shows them; strict mode
+    fails only on the first kind, :func:`setting_problems`)."""
+    return [
+        message
+        for entry in _settings_document().values()
+        for message in (entry["problem"], entry["deprecated"])
+        if message
+    ]
 
 
 def _finish(report: dict[str, Any]) -> dict[str, Any]:

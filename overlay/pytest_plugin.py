@@ -1,11 +1,16 @@
 """attn-overlay's pytest plugin (entry point ``pytest11: attn_overlay``; ``-p no:attn_overlay`` turns it off).
 
 Inert unless asked: it adds one header line saying what the overlay does in the test process, and
-changes nothing else. Asked, it offers:
+changes nothing else. A setting outside ``overlay/config.py``'s table (a misspelled patch id in
+``ATTN_OVERLAY_DISABLE``, a word a switch does not accept) or a deprecated name gets its warning,
+the one ``python -m overlay.apply`` prints, on a header line of its own (and at the end of the run
+where the header is not shown: ``-q``, ``--no-header``). Asked, it offers:
 
 - ``--attn-overlay-strict`` (or ``attn_overlay_strict = true`` in the ini file): the session
-  fails at its start, before collection, unless the overlay is in force in the test process and
-  no patch met unrecognised code, failed or was displaced. The startup hook acts on
+  fails at its start, before collection, on what ``python -m overlay.apply --strict`` fails on:
+  a setting outside the table, the overlay not in force in the test process, a patch that met
+  unrecognised code, failed or was displaced (``ATTN_OVERLAY_STRICT`` is the engine's and the
+  report's switch, not this plugin's: the option or the ini value asks for the check). The startup hook acts on
   ``import transformers``, which may not have happened yet when the session starts: the check
   then imports the patches' target modules itself (as ``python -m overlay.apply`` does to verify),
   after the initial conftest files ran, so what they import or replace is judged too.
@@ -34,6 +39,7 @@ __all__ = [
     "pytest_addoption",
     "pytest_report_header",
     "pytest_sessionstart",
+    "pytest_terminal_summary",
     "attn_overlay_reverted",
     "attn_overlay_applied",
     "fake_device",
@@ -44,8 +50,9 @@ STRICT_INI = "attn_overlay_strict"
 PENDING_IMPORT = "pending import"
 
 _STRICT_HELP = (
-    "fail the session at its start unless attn-overlay is in force in this process and no patch "
-    "met unrecognised code, failed or was displaced (a usage error naming each and what to do; exit status 4). "
+    "fail the session at its start unless attn-overlay is in force in this process, no patch "
+    "met unrecognised code, failed or was displaced, and every ATTN_OVERLAY_* setting is one the "
+    "table accepts, as `python -m overlay.apply --strict` (a usage error naming each and what to do; exit status 4). "
     "When transformers is not imported yet (by a conftest file), the check imports the patches' "
     "target modules itself, as `python -m overlay.apply` does, so that the startup hook judges the "
     "code: that costs the import of transformers and torch at session start."
@@ -147,11 +154,42 @@ def header_line() -> str:
     return f"attn-overlay {__version__}: {counts} (transformers {version}, {_hook_phrase()})"
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def setting_warnings() -> list[str]:
+    """The warnings the settings in force earn (``install_check.setting_messages``), each as one
+    line beginning ``attn-overlay: ``; empty when every setting is one the table accepts."""
+    from .install_check import setting_messages
+
+    return [message if message.startswith("attn-overlay: ") else f"attn-overlay: {message}"
+            for message in setting_messages()]
+
+
+def _setting_warnings_or_why_not() -> list[str]:
     try:
-        return header_line()
+        return setting_warnings()
     except Exception as exc:  # a broken patch file must not stop the test run; strict mode says more
-        return f"attn-overlay: status unavailable ({type(exc).__name__}: {exc})"
+        return [f"attn-overlay: settings unchecked ({type(exc).__name__}: {exc})"]
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    try:
+        line = header_line()
+    except Exception as exc:  # a broken patch file must not stop the test run; strict mode says more
+        line = f"attn-overlay: status unavailable ({type(exc).__name__}: {exc})"
+    # The engine logs these when it activates, where pytest's log capture keeps them out of sight
+    # (and not at all before transformers is imported): said here, once per run, instead.
+    return [line, *_setting_warnings_or_why_not()]
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    # Where the header was not written (-q, --no-header), the settings warnings go at the end of
+    # the run, where pytest puts its own warnings: a misspelled patch id must not pass unseen.
+    if terminalreporter.verbosity >= 0 and not config.getoption("no_header", False):
+        return
+    warnings = _setting_warnings_or_why_not()
+    if warnings:
+        terminalreporter.write_sep("=", "attn-overlay settings", yellow=True)
+        for warning in warnings:
+            terminalreporter.write_line(warning)
 
 
 # -- strict mode ----------------------------------------------------------------------------------
@@ -171,24 +209,6 @@ def _what_to_do(state: str, patch_id: str) -> str:
     return ""
 
 
-def _import_targets() -> dict[str, str]:
-    """Import every patch's target module, as ``python -m overlay.apply``'s verification does, so
-    that the startup hook activates the overlay and each patch is judged on the code. Returns the
-    error of each module that could not be imported (a module of a release outside a patch's
-    range may not exist: only a patch left pending by it is a problem)."""
-    import importlib
-
-    from . import engine
-
-    errors = {}
-    for name in sorted({patch.module for patch in engine.known_patches()}):
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # reported with the patches it leaves pending
-            errors[name] = f"{type(exc).__name__}: {exc}"
-    return errors
-
-
 def _how_to_activate() -> str:
     from . import config
 
@@ -202,14 +222,34 @@ def _how_to_activate() -> str:
     return "`python -m overlay.apply` shows each patch and the hook's state"
 
 
+#: What to do about a setting outside the table (the problem itself says what is used instead).
+_SETTING_ADVICE = (
+    "Correct the value or unset the variable for the test run (the values accepted: the settings table "
+    "in attn-overlay's README, from overlay/config.py; `python -m overlay.apply` shows each in force)"
+)
+
+
+def _setting_problems() -> list[str]:
+    """The settings ``python -m overlay.apply --strict`` fails on, each with what to do."""
+    from .install_check import setting_problems
+
+    return [f"{problem.removeprefix('attn-overlay: ')}. {_SETTING_ADVICE}" for problem in setting_problems()]
+
+
 def strict_problems() -> list[str]:
-    """What fails the strict check, one line each with what to do; empty when all is well."""
+    """What fails the strict check, one line each with what to do; empty when all is well. The
+    same as ``python -m overlay.apply --strict`` fails on: settings outside the table, the overlay
+    not in force, a patch in one of ``engine.BAD_STATES`` (and, here, a patch left pending)."""
+    return _setting_problems() + _overlay_problems()
+
+
+def _overlay_problems() -> list[str]:
     from . import engine
 
     if engine.installed_transformers_version() is None:
         return ["transformers is not installed in this environment: nothing is patched"]
     # Without the hook armed, importing transformers activates nothing: no need to pay for it.
-    import_errors = _import_targets() if engine.is_active() or _startup_hook()[0] else {}
+    import_errors = engine.import_target_modules() if engine.is_active() or _startup_hook()[0] else {}
     if not engine.is_active():
         from .environment import why_the_hook_is_inactive
 
@@ -265,7 +305,7 @@ def attn_overlay_applied() -> Iterator[list[Any]]:
     during the test would be left in place after it."""
     from . import engine
 
-    _import_targets()  # a module that fails to import leaves its patches pending: the statuses say so
+    engine.import_target_modules()  # a module that fails to import leaves its patches pending: the statuses say so
     with engine.applied() as statuses:
         yield statuses
 

@@ -121,6 +121,31 @@ def test_the_fallback_flags_keep_dash_S_under_dash_I(monkeypatch):
     assert install_check.interpreter_flags() == ["-S", "-E", "-s", "-P"]
 
 
+# -- --no-verify ----------------------------------------------------------------------------------------
+
+
+def test_no_verify_shows_the_states_the_patches_reach_and_the_hook_not_checked(tmp_path):
+    # The hook is off here (conftest): the verified report says "inactive (would be: ...)"; without
+    # the fresh process, the patches are judged in the reporting process, where the overlay is
+    # activated, and reach those same states; the hook is reported as not checked.
+    verified = json.loads(_python("-m", "overlay.apply", "--json", cwd=tmp_path).stdout)
+    done = _python("-m", "overlay.apply", "--json", "--no-verify", cwd=tmp_path)
+    unverified = json.loads(done.stdout)
+    assert set(unverified) == set(verified), "the same schema's keys"
+    would_be = {row["id"]: row["would_be"] or row["state"] for row in verified["patches"]}
+    reached = {row["id"]: row["state"] for row in unverified["patches"]}
+    assert reached == would_be
+    assert unverified["hook"] == {"active": None, "verified": False, "reason": install_check.HOOK_NOT_CHECKED}
+    assert "inactive" not in reached.values() and "applied" in reached.values()
+    assert {row["would_be"] for row in unverified["patches"]} == {None}
+    assert unverified["import_errors"] == verified["import_errors"]
+    assert unverified["ok"] is verified["ok"]
+
+    table = _python("-m", "overlay.apply", "--no-verify", cwd=tmp_path).stdout
+    assert "(would be:" not in table and " inactive " not in table, table
+    assert f"\nstartup hook: {install_check.HOOK_NOT_CHECKED}\n" in table
+
+
 # -- in a fresh environment, as users get it --------------------------------------------------------
 
 
@@ -180,6 +205,40 @@ def test_attn_overlay_next_to_a_stray_overlay_py_names_it(fresh, tmp_path):
 def test_dash_I_keeps_the_hook_active(fresh, tmp_path):
     report = json.loads(fresh.run("-I", "-m", "overlay.apply", "--json", cwd=str(tmp_path)).stdout)
     assert report["hook"] == {"active": True, "verified": True, "reason": None}
+
+
+#: A program that says where its overlay comes from and whether the patches are in force there.
+WHERE_AND_WHETHER = textwrap.dedent(
+    """
+    import json, sys
+    import transformers.generation.utils  # noqa: F401  (what a program does)
+    import overlay
+    print(json.dumps({"overlay": overlay.__file__, "active": overlay.is_active(),
+                      "applied": sum(s.state == "applied" for s in overlay.status()),
+                      "no_site": bool(sys.flags.no_site)}))
+    """
+)
+
+
+def test_the_readmes_python_dash_S_line_runs_as_written_in_a_venv(fresh, tmp_path):
+    # `python -S` leaves site-packages (with the overlay, torch and transformers) off the path: the
+    # bare `python -S -m overlay.apply PROGRAM.py` cannot start. The README's line names the path.
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    (line,) = re.findall(r"`(PYTHONPATH=[^`]* -S -m overlay\.apply PROGRAM\.py)`", text)
+    (tmp_path / "prog.py").write_text(WHERE_AND_WHETHER)
+    # An activated venv: its `python` first on PATH.
+    env = dict(_without_overlay_settings(), PATH=f"{fresh.python.parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("PYTHONPATH", None)
+    bare = subprocess.run(["python", "-S", "-m", "overlay.apply", "prog.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert bare.returncode == 1 and "No module named 'overlay'" in bare.stderr, bare.stderr
+    done = subprocess.run(["bash", "-c", line.replace("PROGRAM.py", "prog.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr
+    ran = json.loads(done.stdout.strip().splitlines()[-1])
+    assert ran["no_site"], ran
+    assert ran["overlay"].startswith(str(fresh.site_packages)), "the venv's overlay, not this checkout's"
+    assert ran["active"] is True and ran["applied"] > 0, ran
 
 
 SPAWNING_PROGRAM = textwrap.dedent(

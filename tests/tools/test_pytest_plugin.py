@@ -154,6 +154,64 @@ def test_strict_ini_false_leaves_the_run_alone(pytester, hook_off):
     result.assert_outcomes(passed=1)
 
 
+#: Settings outside the table, and the words of the warning each earns.
+BAD_SETTINGS = [
+    ("ATTN_OVERLAY_DISABLE", "kv-cache-dtyp", "names no patch 'kv-cache-dtyp' (did you mean 'kv-cache-dtype'?)"),
+    ("ATTN_OVERLAY_ATTENTION_GUARD", "alighn", "'alighn' is not a mode"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "said"), BAD_SETTINGS, ids=[name for name, _, _ in BAD_SETTINGS])
+def test_strict_fails_on_a_setting_outside_the_table_and_says_why(pytester, hook_on, monkeypatch, name, value, said):
+    # What `python -m overlay.apply --strict` exits 1 on: the hook is active and every patch is
+    # well, so the setting alone fails the session.
+    from overlay import install_check
+
+    monkeypatch.setenv(name, value)
+    pytester.makepyfile("def test_never_runs():\n    raise AssertionError('collected and run')\n")
+    result = pytester.runpytest_subprocess("--attn-overlay-strict")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    errors = result.stderr.str()
+    assert "attn-overlay strict check failed" in errors
+    cli_fails_on = install_check.setting_problems()  # the same environment, judged as the CLI judges it
+    assert len(cli_fails_on) == 1 and said in cli_fails_on[0]
+    assert f"  - {cli_fails_on[0].removeprefix('attn-overlay: ')}. Correct the value or unset the variable" in errors
+    assert "collected and run" not in result.stdout.str()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [BAD_SETTINGS[0], ("ATTN_OVERLAY_ATTENTION_GUARD", "strict", "'strict' is deprecated")],
+    ids=["misspelled patch id", "deprecated name"],
+)
+@pytest.mark.parametrize("verbosity", [[], ["-q"]], ids=["header", "quiet"])
+def test_a_settings_warning_is_in_the_output_without_strict(pytester, hook_off, monkeypatch, name, value, said,
+                                                           verbosity):
+    # The engine logs it on activation, which pytest's log capture hides (and a run that never
+    # imports transformers never activates): the plugin says it, in the header or, under -q, which
+    # hides the header, at the end of the run.
+    monkeypatch.setenv(name, value)
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    result = pytester.runpytest_subprocess(*verbosity)
+    result.assert_outcomes(passed=1)
+    (line,) = [line for line in result.outlines if said in line]
+    assert line.startswith(f"attn-overlay: {name}={value!r} ")
+    if verbosity:
+        result.stdout.fnmatch_lines(["*= attn-overlay settings =*", f"attn-overlay: {name}=*"])
+    else:
+        _header(result)  # the header line is still there, above the warning
+        assert result.outlines.index(line) < result.outlines.index("collected 1 item")
+
+
+def test_no_settings_warning_where_every_setting_is_accepted(pytester, hook_off, monkeypatch):
+    monkeypatch.setenv("ATTN_OVERLAY_DISABLE", "KV_CACHE_DTYPE")  # case ignored, _ read as -: accepted
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    for verbosity in ([], ["-q"]):
+        result = pytester.runpytest_subprocess(*verbosity)
+        result.assert_outcomes(passed=1)
+        assert not [line for line in result.outlines if line.startswith("attn-overlay: ")], result.outlines
+
+
 DISPLACING_CONFTEST = """
 import importlib, pathlib
 
