@@ -61,6 +61,19 @@ def _then(step, calls=None):
     return replace
 
 
+def _doubled_built_once():
+    """A replace() that doubles, and raises when asked to build its replacement a second time."""
+    calls = []
+
+    def once(original, variant):
+        if calls:
+            raise RuntimeError("built twice")
+        calls.append(original)
+        return _then(doubled)(original, variant)
+
+    return once
+
+
 def plus_one(value):
     return value + 1
 
@@ -360,13 +373,7 @@ def test_an_upper_layer_that_cannot_be_built_again_fails_whole(toy):
     # there, the upper patch says so and none of its targets keeps its fix (all or none).
     core = toy.import_core()
     stock = {name: vars(core.Mixin)[name] for name in ("compute", "scale")}
-    calls = []
-
-    def once(original, variant):
-        if calls:
-            raise RuntimeError("built twice")
-        calls.append(original)
-        return _then(doubled)(original, variant)
+    once = _doubled_built_once()
 
     lower = _patch(LOWER, _target(toy, "Mixin.compute", plus_one))
     upper_compute = Target(module=toy.module, qualname="Mixin.compute",
@@ -504,13 +511,7 @@ def test_a_subclass_layer_that_cannot_follow_its_base_fails_whole(toy):
     # The base patch comes after the subclass patch, whose replace() raises when built again onto
     # it: the subclass patch says so and leaves the class's namespace as it was; the base stays.
     core = toy.import_core()
-    calls = []
-
-    def once(original, variant):
-        if calls:
-            raise RuntimeError("built twice")
-        calls.append(original)
-        return _then(doubled)(original, variant)
+    once = _doubled_built_once()
 
     base, sub, _ = _hierarchy_patches(toy, sub_replace=once)
     with engine.isolated([base, sub], distribution=toy.name):
