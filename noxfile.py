@@ -175,6 +175,7 @@ TORCH_FREE_TESTS = (
     "tests/engine/test_startup_hook.py",
     "tests/engine/test_packaging.py",
     "tests/engine/test_patch_format.py",
+    "tests/tools/test_lanes.py",
 )
 #: One lane per CPython from requires-python's floor to the newest one tested (the classifiers
 #: in pyproject.toml name the same versions).
