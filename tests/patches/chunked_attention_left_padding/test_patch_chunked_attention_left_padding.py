@@ -23,8 +23,9 @@ import types
 import pytest
 
 import overlay
-from overlay.patch import PATCH_MARKER, fingerprint
+from overlay.patch import fingerprint
 from overlay.testing.harness import PatchUnderTest
+from tests._kit import assert_in_force_only_while_applied
 
 PATCH = PatchUnderTest("chunked_attention_left_padding")
 PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
@@ -101,19 +102,7 @@ def test_the_replacement_refuses_a_caller_or_torch_it_cannot_read():
 def test_engine_status_and_what_is_in_force():
     module = _masking_utils()
     with overlay.reverted():
-        before = vars(module)["chunked_causal_mask_function"]
-        with PATCH.applied() as statuses:
-            status = statuses[PATCH.id]
-            during = vars(module)["chunked_causal_mask_function"]
-        after = vars(module)["chunked_causal_mask_function"]
-    assert after is before, "the revert puts the very same function back"
-    if PATCH.affected:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH.id
-        assert during.__wrapped__ is before
-    else:
-        assert status.state == "fixed upstream", status.reason
-        assert during is before
+        assert_in_force_only_while_applied(PATCH, lambda: vars(module)["chunked_causal_mask_function"])
 
 
 # -- the runs ---------------------------------------------------------------------------------------

@@ -20,19 +20,20 @@ keeps the release's own ``reset``.
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 from packaging.version import Version
 
 import overlay
-from overlay.patch import PATCH_MARKER, Variant
+from overlay.patch import Variant
 from overlay.testing.harness import PatchUnderTest
+from tests._kit import (
+    assert_replacements_keep_the_originals_face,
+    assert_set_on_its_class_only_while_applied,
+    covered_module,
+)
 
 PATCH = PatchUnderTest("dynamic_cache_reset")
-PATCH.skip_module_unless_covered()  # releases before 4.55.0 are out of the overlay's scope
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = covered_module(PATCH)  # releases before 4.55.0 are out of the overlay's scope
 
 MODELS = ("llama", "gemma3", "t5")
 FIRST_PROMPT = (7,)
@@ -61,13 +62,9 @@ INDEXER_ACTION = "emptied a reset indexer key cache"
 
 
 def test_replacements_keep_name_docstring_and_signature():
-    for target, stock in PATCH.present_targets():
-        # Built by hand for the fixed code too (5.18.0+): only the wrapper's metadata is read here.
-        variant = target.variant_of(stock) or Variant("this release", {"forget": None, "original_after": True})
-        replacement = target.replace(stock, variant)
-        assert replacement.__wrapped__ is stock
-        assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
-        assert inspect.signature(replacement) == inspect.signature(stock)
+    # Built by hand for the fixed code too (5.18.0+): only the wrapper's metadata is read there.
+    assert_replacements_keep_the_originals_face(
+        PATCH, otherwise=Variant("this release", {"forget": None, "original_after": True}))
 
 
 def test_engine_status_and_where_the_replacement_goes():
@@ -75,19 +72,9 @@ def test_engine_status_and_where_the_replacement_goes():
 
     inherited = "reset" not in vars(cache_utils.DynamicLayer)
     assert inherited == PATCH.affected, "the dynamic layers inherit the static layers' reset() up to 5.17.0"
-    with PATCH.applied() as statuses:
-        status = statuses[PATCH.id]
-        during = vars(cache_utils.DynamicLayer).get("reset")
-        static_reset = cache_utils.StaticLayer.reset
-    if PATCH.affected:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH.id
-        # The static layers keep zeroing their fixed-size buffers (right for them).
-        assert not hasattr(static_reset, PATCH_MARKER)
-        assert "reset" not in vars(cache_utils.DynamicLayer), "the revert deletes the replacement again"
-    else:
-        assert status.state == "fixed upstream", status.reason
-        assert not hasattr(during, PATCH_MARKER)
+    # The static layers keep zeroing their fixed-size buffers (right for them).
+    assert_set_on_its_class_only_while_applied(PATCH, cache_utils.DynamicLayer, "reset",
+                                               others=lambda: cache_utils.StaticLayer.reset)
 
 
 # -- the runs ---------------------------------------------------------------------------------------

@@ -20,11 +20,10 @@ import pytest
 
 import overlay
 from overlay.testing.harness import PatchUnderTest
+from tests._kit import covered_module
 
 PATCH = PatchUnderTest("encoder_repetition_penalty_rows")
-PATCH.skip_module_unless_covered()
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = covered_module(PATCH)
 
 PENALTY = 3.0
 MAX_NEW_TOKENS = 6

@@ -83,14 +83,39 @@ def test_variant_params_agree_with_where_the_bugs_are():
 
 
 def test_replacement_keeps_name_docstring_and_signature():
-    for target, stock in PATCH.present_targets():
-        # Built by hand for whichever code this release ships (also the fixed code: only the
-        # wrapper's metadata is checked here).
-        variant = target.variant_of(stock) or Variant("this release", {"device_argument": None, "layer_ready": None})
-        replacement = target.replace(stock, variant)
-        assert replacement.__wrapped__ is stock
-        assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
-        assert inspect.signature(replacement) == inspect.signature(stock)
+    # Imported here: this file also runs as the fake device's worker script, where tests/ is no package.
+    from tests._kit import assert_replacements_keep_the_originals_face
+
+    # Built by hand for whichever code this release ships (also the fixed code: only the
+    # wrapper's metadata is checked there).
+    assert_replacements_keep_the_originals_face(
+        PATCH, otherwise=Variant("this release", {"device_argument": None, "layer_ready": None}))
+
+
+def _per_model_and_flow(*flows: str):
+    """A test per model and flow (a way through one scenario of the worker's record), with the ids
+    two stacked parametrizes gave: ``llama-patched``."""
+    cases = [(model, flow) for flow in flows for model in MODELS]
+    return pytest.mark.parametrize(("model", "flow"), cases, ids=[f"{model}-{flow}" for model, flow in cases])
+
+
+def _stock_fails(run: dict, bug: bool, control_ids) -> bool:
+    """Whether stock's ``run`` is to fail here (the release has the bug: the caller checks how); on a
+    release without it, stock already gives the control's ids."""
+    if not bug:
+        assert_generated(run, control_ids)
+    return bug
+
+
+def _assert_failed_with(run: dict, error: str) -> None:
+    """A worker's run record that failed, with ``error`` in its message."""
+    assert not run["ok"] and error in run["error"], run
+
+
+def _scenario(results, model: str, scenario: str, flow: str) -> tuple[dict, dict]:
+    """One scenario's runs for ``model`` in the worker's record, and the run of ``flow`` among them."""
+    runs = results["runs"][model][scenario]
+    return runs, runs[flow]
 
 
 # -- the real failure and fix, in a subprocess with the fake device -------------------------------
@@ -126,20 +151,16 @@ def _device_error(results) -> str:
 @pytest.mark.parametrize("model", MODELS)
 def test_host_run_then_model_to_device_on_stock_transformers(results, model):
     run = results["runs"][model]["to_device"]["stock"]
-    if DEVICE_BUG:
+    if _stock_fails(run, DEVICE_BUG, results["runs"][model]["to_device"]["host_ids"]):
         assert not run["ok"], "stock transformers was expected to reuse the host cache and fail"
         assert _device_error(results) in run["error"], run["error"]
         if results["backend"] == "cpp":
             assert f"(source) {results['device']}" in run["error"]
-    else:
-        assert_generated(run, results["runs"][model]["to_device"]["host_ids"])
 
 
-@pytest.mark.parametrize("flow", ["patched", "patched_after_stock_host_run"])
-@pytest.mark.parametrize("model", MODELS)
+@_per_model_and_flow("patched", "patched_after_stock_host_run")
 def test_host_run_then_model_to_device_with_the_overlay(results, model, flow):
-    runs = results["runs"][model]["to_device"]
-    run = runs[flow]
+    runs, run = _scenario(results, model, "to_device", flow)
     assert_generated(run, runs["host_ids"])
     assert run["cache"] == {"device": results["device"], "dtype": "torch.float32"}
     if PATCH.affected:
@@ -154,7 +175,7 @@ def test_host_run_then_model_to_device_with_the_overlay(results, model, flow):
 def test_dtype_change_on_stock_transformers(results, model):
     runs = results["runs"][model]["to_bfloat16"]
     stock = runs["stock"]
-    if DTYPE_BUG:
+    if _stock_fails(stock, DTYPE_BUG, runs["control_ids"]):
         assert not stock["ok"], "stock transformers was expected to reuse the float32 cache and fail"
         assert DTYPE_ERROR in stock["error"]
         hidden = runs["kv_cache_dtype_only"]
@@ -164,16 +185,12 @@ def test_dtype_change_on_stock_transformers(results, model):
             assert hidden["cache"]["dtype"] == "torch.float32"
             assert "KVCacheDtypeWarning" in hidden["warnings"]
         else:  # not offered on this release: stock's failure
-            assert not hidden["ok"] and DTYPE_ERROR in hidden["error"], hidden
-    else:
-        assert_generated(stock, runs["control_ids"])
+            _assert_failed_with(hidden, DTYPE_ERROR)
 
 
-@pytest.mark.parametrize("flow", ["patched", "patched_with_kv_cache_dtype"])
-@pytest.mark.parametrize("model", MODELS)
+@_per_model_and_flow("patched", "patched_with_kv_cache_dtype")
 def test_dtype_change_with_the_overlay_rebuilds_in_the_model_dtype(results, model, flow):
-    runs = results["runs"][model]["to_bfloat16"]
-    run = runs[flow]
+    runs, run = _scenario(results, model, "to_bfloat16", flow)
     assert run["ok"], run.get("error")
     # The same ids as a model that was bfloat16 from the start (a fresh cache), and no cast at all:
     # the cache is in the model's dtype, so kv-cache-dtype has nothing to do.
@@ -196,8 +213,7 @@ def test_nothing_changed_reuses_the_same_cache_and_does_not_fire(results, model)
         assert run["same_cache_object"], "a kept cache that still matches must be reused, as upstream does"
 
 
-@pytest.mark.parametrize("flow", ["stock", "patched", "patched_after_stock_failed_run"])
-@pytest.mark.parametrize("model", MODELS)
+@_per_model_and_flow("stock", "patched", "patched_after_stock_failed_run")
 def test_failed_generate_fails_before_the_first_cache_write(results, model, flow):
     # The setup of the next test: the call fails in the embedding, before any attention layer.
     failed = results["runs"][model]["failed_then_valid"][flow]["failed"]
@@ -209,7 +225,7 @@ def test_failed_generate_fails_before_the_first_cache_write(results, model, flow
 def test_failed_then_valid_generate_on_stock_transformers(results, model):
     runs = results["runs"][model]["failed_then_valid"]
     run = runs["stock"]["valid"]
-    if POISON_BUG:
+    if _stock_fails(run, POISON_BUG, runs["control_ids"]):
         assert not run["ok"], "stock transformers was expected to reuse the uninitialised cache and fail"
         assert run["type"] == "AttributeError", run
         assert f"'{POISONED_LAYER[model]}' {POISON_ERROR}" in run["error"], run["error"]
@@ -217,16 +233,13 @@ def test_failed_then_valid_generate_on_stock_transformers(results, model):
         assert PATCH.error("max_batch_size").replace("StaticLayer", POISONED_LAYER[model]) in run["error"]
         # Poisoned for good: one more valid call fails the same way.
         again = runs["stock"]["valid_again"]
-        assert not again["ok"] and POISON_ERROR in again["error"], again
-    else:
-        assert_generated(run, runs["control_ids"])
+        _assert_failed_with(again, POISON_ERROR)
 
 
-@pytest.mark.parametrize("flow", ["patched", "patched_after_stock_failed_run"])
-@pytest.mark.parametrize("model", MODELS)
+@_per_model_and_flow("patched", "patched_after_stock_failed_run")
 def test_failed_then_valid_generate_with_the_overlay(results, model, flow):
-    runs = results["runs"][model]["failed_then_valid"]
-    run = runs[flow]["valid"]
+    runs, record = _scenario(results, model, "failed_then_valid", flow)
+    run = record["valid"]
     # The same ids as a fresh model's first call.
     assert_generated(run, runs["control_ids"])
     assert_generated(runs[flow]["valid_again"], runs["control_ids"])
@@ -246,16 +259,14 @@ def test_failed_mid_prefill_then_valid_generate(results, model):
     runs = results["runs"][model]["failed_mid_prefill"]
     for flow in ("stock", "patched"):
         failed = runs[flow]["failed"]
-        assert not failed["ok"] and "simulated out of memory in layer 1" in failed["error"], failed
+        _assert_failed_with(failed, "simulated out of memory in layer 1")
         if POISON_BUG:  # the first layer written, the second not
             assert failed["layers_allocated"] == [True, False], failed
     stock = runs["stock"]["valid"]
-    if POISON_BUG:
+    if _stock_fails(stock, POISON_BUG, runs["control_ids"]):
         # The second layer (full attention in every model here) has no max_batch_size.
-        assert not stock["ok"] and f"'StaticLayer' {POISON_ERROR}" in stock["error"], stock
+        _assert_failed_with(stock, f"'StaticLayer' {POISON_ERROR}")
         assert not runs["stock"]["valid_again"]["ok"], runs["stock"]["valid_again"]
-    else:
-        assert_generated(stock, runs["control_ids"])
     patched = runs["patched"]
     assert_generated(patched["valid"], runs["control_ids"])
     assert_generated(patched["valid_again"], runs["control_ids"])
@@ -285,7 +296,8 @@ def _worker() -> dict:
 
     import overlay
     from overlay import guard, report
-    from overlay.testing.models import left_padded_batch, on_device as on, tiny_model
+    from overlay.testing.models import left_padded_batch, tiny_model
+    from overlay.testing.models import on_device as on
 
     def allocated(layer):
         # 4.56's layers have no is_initialized flag: allocated keys tell (4.55 allocates at once).

@@ -25,11 +25,10 @@ import pytest
 
 import overlay
 from overlay.testing.harness import PatchUnderTest
+from tests._kit import covered_module
 
 PATCH = PatchUnderTest("prefix_constrained_return_sequences")
-PATCH.skip_module_unless_covered()
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = covered_module(PATCH)
 
 PROMPT_LENGTH = 6
 MAX_NEW_TOKENS = 6

@@ -18,18 +18,20 @@ Two parts:
 from __future__ import annotations
 
 import importlib.util
-import inspect
 
 import pytest
 
 import overlay
-from overlay.patch import PATCH_MARKER, Variant
+from overlay.patch import Variant
 from overlay.testing.harness import PatchUnderTest
+from tests._kit import (
+    assert_replacements_keep_the_originals_face,
+    assert_set_on_its_class_only_while_applied,
+    covered_module,
+)
 
 PATCH = PatchUnderTest("quantized_cache_beam_reorder")
-PATCH.skip_module_unless_covered()
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = covered_module(PATCH)
 
 INDEX_ERROR = PATCH.error("index out of range")
 ACTION = "reordered the quantized states with the beams"
@@ -46,11 +48,7 @@ def _state(state: str):
 
 
 def test_replacements_keep_name_docstring_and_signature():
-    for target, stock in PATCH.present_targets():
-        replacement = target.replace(stock, target.variant_of(stock) or Variant("this release"))
-        assert replacement.__wrapped__ is stock
-        assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
-        assert inspect.signature(replacement) == inspect.signature(stock)
+    assert_replacements_keep_the_originals_face(PATCH, otherwise=Variant("this release"))
 
 
 def test_engine_status():
@@ -58,18 +56,9 @@ def test_engine_status():
 
     inherited = "reorder_cache" not in vars(cache_utils.QuantizedLayer)
     assert inherited == PATCH.affected, "QuantizedLayer has its own reorder_cache from 5.19.0"
-    with PATCH.applied() as statuses:
-        status = statuses[PATCH.id]
-        during = vars(cache_utils.QuantizedLayer).get("reorder_cache")
-        mixin = cache_utils.CacheLayerMixin.reorder_cache
-    if PATCH.affected:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH.id
-        assert not hasattr(mixin, PATCH_MARKER), "the other layers keep theirs"
-        assert "reorder_cache" not in vars(cache_utils.QuantizedLayer), "deleted again by the revert"
-    else:
-        assert status.state == "fixed upstream", status.reason
-        assert not hasattr(during, PATCH_MARKER)
+    # The other layers keep the mixin's reorder_cache.
+    assert_set_on_its_class_only_while_applied(PATCH, cache_utils.QuantizedLayer, "reorder_cache",
+                                               others=lambda: cache_utils.CacheLayerMixin.reorder_cache)
 
 
 # -- the layer, with a lossless stand-in quantizer ---------------------------------------------------

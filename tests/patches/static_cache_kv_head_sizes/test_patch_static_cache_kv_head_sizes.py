@@ -24,8 +24,18 @@ import inspect
 import pytest
 
 import overlay
-from overlay.patch import PATCH_MARKER, Variant
+from overlay.patch import Variant
 from overlay.testing.harness import PatchUnderTest
+
+# From tests/_kit.py: the static cache's scenarios (the other static cache patch's tests run them too).
+from tests._kit import STATIC_COMPOSED_PROMPT as COMPOSED_PROMPT
+from tests._kit import STATIC_MAX_CACHE_LEN as MAX_CACHE_LEN
+from tests._kit import STATIC_MAX_NEW_TOKENS as MAX_NEW_TOKENS
+from tests._kit import STATIC_PROMPTS as PROMPTS
+from tests._kit import STATIC_WAYS as WAYS
+from tests._kit import assert_in_force_only_while_applied, assert_replacements_keep_the_originals_face
+from tests._kit import static_cases as _cases
+from tests._kit import static_greedy as _generate
 
 PATCH = PatchUnderTest("static_cache_kv_head_sizes")
 
@@ -33,11 +43,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SLICE_SHAPES = PATCH.error("slice shapes")
 ACTION = PATCH.patch_module.ACTION
-MAX_NEW_TOKENS = 5
-MAX_CACHE_LEN = 32
-PROMPTS = {"one prompt": (9,), "padded batch of two": (9, 6)}
-WAYS = ("cache_implementation='static'", "user-built StaticCache")
-COMPOSED_PROMPT = "padded batch of two"
 NUM_LAYERS = 2
 QK_NOPE, QK_ROPE, V_HEAD = 16, 8, 12
 
@@ -96,13 +101,6 @@ def _user_cache(model, batch_size: int):
     return user_static_cache(model.config, batch_size, MAX_CACHE_LEN, model.dtype)
 
 
-def _generate(model, batch, **kwargs) -> dict:
-    """The ids of one greedy run, or its error (type, text, and the function that raised it)."""
-    from overlay.testing.models import greedy_outcome
-
-    return greedy_outcome(model, batch, MAX_NEW_TOKENS, **kwargs)
-
-
 def _head_sizes(cache) -> "list[tuple[int, int] | None]":
     """Per layer of a cache that ran: the head sizes of its key and value buffers."""
     return [
@@ -153,39 +151,22 @@ def runs():
     return results
 
 
-def _cases(names):
-    return pytest.mark.parametrize("name,way,prompt", [(n, w, p) for n in names for w in WAYS for p in PROMPTS])
-
-
 # -- the engine --------------------------------------------------------------------------------------
 
 
 def test_engine_status_and_where_the_replacement_goes():
     from transformers import cache_utils
 
-    stock = vars(cache_utils.StaticLayer)["update"]
-    with PATCH.applied() as statuses:
-        status = statuses[PATCH.id]
-        during = vars(cache_utils.StaticLayer)["update"]
-    if PATCH.affected:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH.id
-        assert during.__wrapped__ is stock
-    else:
-        assert status.state == "fixed upstream", status.reason
+    assert_in_force_only_while_applied(PATCH, lambda: vars(cache_utils.StaticLayer)["update"])
+    if not PATCH.affected:
         assert PATCH.fixed_upstream
-        assert during is stock, "the patch steps aside"
-    assert vars(cache_utils.StaticLayer)["update"] is stock, "the revert puts the very same function back"
 
 
 def test_replacement_keeps_name_docstring_and_signature():
-    stock = PATCH.stock()
-    target = PATCH.patch.targets[0]
-    # Built by hand where the code is not an original (fixed releases): only the wrapper's metadata is read.
-    replacement = target.build(stock, otherwise=Variant("this release", dict(target.defaults)))
-    assert replacement.__wrapped__ is stock
-    assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
-    assert inspect.signature(replacement) == inspect.signature(stock)
+    # Built by hand where the code is not an original (fixed or older releases): only the
+    # wrapper's metadata is read there. Its one target is on every release.
+    otherwise = Variant("this release", dict(PATCH.patch.targets[0].defaults))
+    assert assert_replacements_keep_the_originals_face(PATCH, otherwise) == len(PATCH.patch.targets) == 1
 
 
 # -- the runs -----------------------------------------------------------------------------------------

@@ -22,13 +22,20 @@ the patch file's imports are checked for every patch by ``tests/patches/test_pat
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 import overlay
-from overlay.patch import PATCH_MARKER, Variant
+from overlay.patch import Variant
 from overlay.testing.harness import PatchUnderTest
+
+# From tests/_kit.py: the static cache's scenarios (the other static cache patch's tests run them too).
+from tests._kit import STATIC_COMPOSED_PROMPT as COMPOSED_PROMPT
+from tests._kit import STATIC_MAX_CACHE_LEN as MAX_CACHE_LEN
+from tests._kit import STATIC_PROMPTS as PROMPTS
+from tests._kit import STATIC_WAYS as WAYS
+from tests._kit import assert_in_force_only_while_applied, assert_replacements_keep_the_originals_face
+from tests._kit import static_cases as _cases
+from tests._kit import static_greedy as _generate
 
 PATCH = PatchUnderTest("static_cache_zero_kv_shared_layers")
 OUT_OF_RANGE = not (PATCH.affected or PATCH.fixed_upstream)
@@ -37,11 +44,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 INDEX_ERROR = PATCH.error("list index")
 ACTION = PATCH.patch_module.ACTION
-MAX_NEW_TOKENS = 5
-MAX_CACHE_LEN = 32
-PROMPTS = {"one prompt": (9,), "padded batch of two": (9, 6)}
-WAYS = ("cache_implementation='static'", "user-built StaticCache")
-COMPOSED_PROMPT = "padded batch of two"
 
 #: Model cases: (builder name, options, whether the config sets num_kv_shared_layers to 0).
 MODELS = {
@@ -84,13 +86,6 @@ def _user_cache(model, batch_size: int):
     from overlay.testing.models import user_static_cache
 
     return user_static_cache(model.config, batch_size, MAX_CACHE_LEN, model.dtype)
-
-
-def _generate(model, batch, **kwargs) -> dict:
-    """The ids of one greedy run, or its error (type, text, and the function that raised it)."""
-    from overlay.testing.models import greedy_outcome
-
-    return greedy_outcome(model, batch, MAX_NEW_TOKENS, **kwargs)
 
 
 def _layers(model) -> "list[tuple[str, int | None]]":
@@ -152,10 +147,6 @@ def runs():
     return results
 
 
-def _cases(names):
-    return pytest.mark.parametrize("name,way,prompt", [(n, w, p) for n in names for w in WAYS for p in PROMPTS])
-
-
 def _present(runs, name):
     if name not in runs:
         kind = MODELS[name][1].get("kind", name)
@@ -169,31 +160,19 @@ def _present(runs, name):
 def test_engine_status_and_where_the_replacement_goes():
     from transformers import cache_utils
 
-    stock = vars(cache_utils.StaticCache)["__init__"]
-    with PATCH.applied() as statuses:
-        status = statuses[PATCH.id]
-        during = vars(cache_utils.StaticCache)["__init__"]
-    if PATCH.affected:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH.id
-        assert during.__wrapped__ is stock
-    else:
-        assert status.state == ("fixed upstream" if PATCH.fixed_upstream else "out of range"), status.reason
-        assert during is stock, "the patch steps aside"
+    status = assert_in_force_only_while_applied(
+        PATCH, lambda: vars(cache_utils.StaticCache)["__init__"],
+        stepped_aside="fixed upstream" if PATCH.fixed_upstream else "out of range",
+    )
     if OUT_OF_RANGE:  # 4.55.x: the slice is not there, and the engine says so
         assert f"arrived in {PATCH.patch.introduced_in}" in status.reason, status.reason
-    assert vars(cache_utils.StaticCache)["__init__"] is stock, "the revert puts the very same function back"
 
 
 def test_replacement_keeps_name_docstring_and_signature():
-    stock = PATCH.stock()
-    target = PATCH.patch.targets[0]
     # Built by hand where the code is not an original (fixed or older releases): only the
-    # wrapper's metadata is read here.
-    replacement = target.build(stock, otherwise=Variant("this release", dict(target.defaults)))
-    assert replacement.__wrapped__ is stock
-    assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
-    assert inspect.signature(replacement) == inspect.signature(stock)
+    # wrapper's metadata is read there. Its one target is on every release.
+    otherwise = Variant("this release", dict(PATCH.patch.targets[0].defaults))
+    assert assert_replacements_keep_the_originals_face(PATCH, otherwise) == len(PATCH.patch.targets) == 1
 
 
 # -- the runs -----------------------------------------------------------------------------------------

@@ -1,0 +1,114 @@
+"""Checks several patch test modules make the same way, written once (``overlay/testing`` is the test
+kit users get; these are the suite's own).
+
+- :func:`covered_module`: a patch test module's preamble;
+- :func:`assert_replacements_keep_the_originals_face`: name, docstring and signature kept;
+- :func:`assert_in_force_only_while_applied` and :func:`assert_set_on_its_class_only_while_applied`:
+  the engine's status and what is on the class during and after ``PATCH.applied()``;
+- ``STATIC_*``, :func:`static_greedy`, :func:`static_cases`: the static cache patches' scenarios.
+
+Imported as ``from tests._kit import ...`` (pytest runs from the repository root). A test file that
+also runs as a worker script imports it inside the test that needs it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from overlay.patch import PATCH_MARKER, Variant
+from overlay.testing.harness import PatchUnderTest
+
+
+def covered_module(patch: PatchUnderTest) -> Any:
+    """``pytestmark = covered_module(PATCH)`` at a test module's top, under its module-level
+    ``PATCH = PatchUnderTest("<patch module>")`` (the declaration that marks the module as proving
+    that patch: tests/conftest.py): the whole module skipped on releases before the patch's range,
+    and every test on one torch thread (``one_thread``: tiny models' ids must not depend on the
+    machine's cores)."""
+    patch.skip_module_unless_covered()
+    return pytest.mark.usefixtures("one_thread")
+
+
+def assert_replacements_keep_the_originals_face(patch: PatchUnderTest, otherwise: Variant) -> int:
+    """Each present target's replacement wraps the release's own function and keeps its name,
+    docstring and signature. The signature is load-bearing: ``generate()`` reads the signatures of
+    the functions it calls (``_validate_model_kwargs`` reads ``prepare_inputs_for_generation``'s) to
+    decide which arguments a model takes. ``otherwise``: the variant a replacement is built with
+    where the code is not an original the patch knows (fixed releases: only the wrapper's metadata
+    is read there). Returns how many targets this release defines (the ones checked)."""
+    present = patch.present_targets()
+    for target, stock in present:
+        replacement = target.build(stock, otherwise=otherwise)
+        assert replacement.__wrapped__ is stock
+        assert (replacement.__name__, replacement.__doc__) == (stock.__name__, stock.__doc__)
+        assert inspect.signature(replacement) == inspect.signature(stock)
+    return len(present)
+
+
+def assert_in_force_only_while_applied(patch: PatchUnderTest, read: Callable[[], Any],
+                                       stepped_aside: str = "fixed upstream") -> Any:
+    """``read()`` (the function where the patch sets its replacement) is the patch's wrapper of the
+    release's function while ``patch.applied()`` holds on an affected release, the release's very
+    own function where the engine says ``stepped_aside``, and that same function again after the
+    block. Returns the engine's status."""
+    before = read()
+    with patch.applied() as statuses:
+        status = statuses[patch.id]
+        during = read()
+    assert read() is before, "the revert puts the very same function back"
+    if patch.affected:
+        assert status.state == "applied", status.reason
+        assert getattr(during, PATCH_MARKER, None) == patch.id
+        assert during.__wrapped__ is before
+    else:
+        assert status.state == stepped_aside, status.reason
+        assert during is before, "the patch steps aside"
+    return status
+
+
+def assert_set_on_its_class_only_while_applied(patch: PatchUnderTest, owner: type, name: str,
+                                               others: Callable[[], Any]) -> None:
+    """For a function ``owner`` inherits on the affected releases: while ``patch.applied()`` holds,
+    the replacement is set on ``owner`` itself and ``others()`` (the base's function, which the
+    other classes inherit) stays the release's; the revert deletes it from ``owner`` again. Where
+    upstream fixed it, ``owner``'s own function is no replacement."""
+    with patch.applied() as statuses:
+        status = statuses[patch.id]
+        during = vars(owner).get(name)
+        theirs = others()
+    if patch.affected:
+        assert status.state == "applied", status.reason
+        assert getattr(during, PATCH_MARKER, None) == patch.id
+        assert not hasattr(theirs, PATCH_MARKER), "the other classes keep theirs"
+        assert name not in vars(owner), "the revert deletes the replacement again"
+    else:
+        assert status.state == "fixed upstream", status.reason
+        assert not hasattr(during, PATCH_MARKER)
+
+
+# -- a static cache's scenarios -----------------------------------------------------------------------
+# The patches on the static cache (static-cache-kv-head-sizes, static-cache-zero-kv-shared-layers) run
+# the same scenarios: each prompt both ways to get a static cache, greedy, and with every patch the
+# release gets on the padded batch (the composed run).
+
+STATIC_PROMPTS = {"one prompt": (9,), "padded batch of two": (9, 6)}
+STATIC_WAYS = ("cache_implementation='static'", "user-built StaticCache")
+STATIC_COMPOSED_PROMPT = "padded batch of two"
+STATIC_MAX_NEW_TOKENS = 5
+STATIC_MAX_CACHE_LEN = 32
+
+
+def static_greedy(model, batch, **kwargs) -> dict:
+    """The ids of one greedy run, or its error (type, text, and the function that raised it)."""
+    from overlay.testing.models import greedy_outcome
+
+    return greedy_outcome(model, batch, STATIC_MAX_NEW_TOKENS, **kwargs)
+
+
+def static_cases(names):
+    """A test per case of ``names``, way and prompt."""
+    return pytest.mark.parametrize("name,way,prompt", [(n, w, p) for n in names for w in STATIC_WAYS for p in STATIC_PROMPTS])
