@@ -47,10 +47,11 @@ def _replace_get_top_k_continuations(original, variant):
 
     @wraps(original)
     def _get_top_k_continuations(self, *args, **kwargs):
+        # Decided before the call, from the flag every release's loop passes by keyword: greedy
+        # beam search goes straight to the release's own function (one dictionary look-up).
+        if not (kwargs["do_sample"] if "do_sample" in kwargs else argument(args, kwargs, "do_sample")):
+            return original(self, *args, **kwargs)
         result = original(self, *args, **kwargs)
-        do_sample = argument(args, kwargs, "do_sample")
-        if not do_sample:
-            return result
         topk_log_probs, topk_running_sequences, topk_running_beam_indices = result
         # Upstream's sort (the fixed release), applied to the same sampled candidates.
         topk_log_probs, order = topk_log_probs.sort(dim=-1, descending=True)

@@ -30,7 +30,9 @@ instance already holds under that name is called in place of the class's. Jamba,
 Falcon H1 and the other hybrids use ``past_key_values``: the release reorders them itself. A model
 that is not a torch module (OpenVINO's) gets the release's beam search.
 Cost: per step one hook call, a gather of N x batch indices and one ``index_select`` per state
-tensor (as upstream); nothing for greedy search, sampling, or a ``past_key_values`` cache.
+tensor (as upstream); nothing for greedy search, sampling, or a ``past_key_values`` cache, and
+nothing per step for a model class none of whose ``forward`` methods takes ``cache_params``
+(decided once per class: Llama's beam search is the release's own loop).
 Longer account: docs/patches/beam-search-recurrent-cache.md.
 
 Tested (``tests/patches/beam_search_recurrent_cache/``): tiny random Mamba, Mamba2 and Falcon Mamba,
@@ -138,11 +140,45 @@ def _unroute_step(model) -> None:
             vars(model)[STEP] = entry[1]
 
 
+#: Per model class: whether any class of its MRO has a ``forward`` that takes ``cache_params``
+#: (decided once per class; a class without one has no recurrent state for this patch to follow).
+_RECURRENT_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def takes_cache_params(cls) -> bool:
+    """Whether model class ``cls`` (or a class it inherits ``forward`` from) can carry a recurrent
+    cache under ``cache_params``: Mamba, Mamba2, Falcon Mamba and their subclasses, not Llama."""
+    known = _RECURRENT_CLASSES.get(cls)
+    if known is None:
+        import inspect
+
+        known = False
+        for klass in cls.__mro__:
+            forward = vars(klass).get("forward")
+            if forward is None:
+                continue
+            try:
+                parameters = inspect.signature(forward).parameters
+            except (TypeError, ValueError):  # a builtin or odd callable: assume it may
+                known = True
+                break
+            if any(name in parameters for name in CACHE_NAMES):
+                known = True
+                break
+        _RECURRENT_CLASSES[cls] = known
+    return known
+
+
 def make_beam_search(original, variant):
     @wraps(original)
     def _beam_search(self, *args, **model_kwargs):
         if model_kwargs.get("past_key_values") is not None or model_kwargs.get("use_cache") is False:
             return original(self, *args, **model_kwargs)  # the release reorders it, or there is none
+        if not takes_cache_params(type(self)):
+            # Decided once per model class: no forward in its classes takes cache_params, so the
+            # hook would note nothing and every step's reorder would be skipped: the release's own
+            # loop, with no hook on the model and no routed step (nothing per step).
+            return original(self, *args, **model_kwargs)
         if not hasattr(self, "register_forward_hook"):
             # Not a torch module (OpenVINO's models run generate() on a compiled graph): no
             # cache_params for this patch to follow, and no hook to follow it with.

@@ -30,8 +30,8 @@ them (a decoder-only model's first iteration with embeddings given), else ``inpu
 ``decoder_input_ids`` in encoder-decoder models); each is a slice or clone of the argument of the same name, on the
 argument's device. Every original (5.13-5.19) moves the top-level tensors under that same
 condition, so the wrapper reads it off the call instead of re-evaluating it: it notes the
-argument (before the call, since afterwards only the moved copy is in ``model_inputs``) and
-compares devices afterwards. The input tensor in the result is on another device than its
+argument (the caller's own, which the call leaves in its arguments, while ``model_inputs`` holds
+only the moved copy) and compares devices. The input tensor in the result is on another device than its
 argument exactly when step 6 moved it, and it then sits on ``self.device``, the target. This
 costs two dictionary lookups and a device comparison per step, where evaluating
 ``self.device`` (a walk to the first parameter) would cost more than the rest of the wrapper
@@ -78,18 +78,18 @@ def _replace_prepare_inputs_for_generation(original, variant):
 
     @wraps(original)
     def prepare_inputs_for_generation(self, *args, **kwargs):
-        input_ids = argument(args, kwargs, "input_ids", input_ids_at)
-        inputs_embeds = argument(args, kwargs, "inputs_embeds", inputs_embeds_at)
-
         model_inputs = original(self, *args, **kwargs)
 
         if not isinstance(model_inputs, dict):
             return model_inputs
+        # The arguments are read after the call, and only the one the result took its input
+        # from: ``args`` and ``kwargs`` still hold the caller's own tensors (the original got
+        # copies of the tuple and the dict), so this reads what reading before would.
         prepared = model_inputs.get("inputs_embeds")
         if prepared is not None:
-            given = inputs_embeds
+            given = argument(args, kwargs, "inputs_embeds", inputs_embeds_at)
         else:
-            given = input_ids
+            given = argument(args, kwargs, "input_ids", input_ids_at)
             # Step 1 stores the input_ids argument as decoder_input_ids in encoder-decoder models
             # and as input_ids otherwise. Read from the result rather than from
             # self.config.is_encoder_decoder, whose attribute lookup alone costs microseconds.

@@ -61,17 +61,21 @@ def _replace_update_model_kwargs(original, variant):
     def _update_model_kwargs_for_generation(
         self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1
     ):
+        position_ids = model_kwargs.get("decoder_position_ids" if is_encoder_decoder else "position_ids")
+        if position_ids is None:
+            # No positions passed (generate() keeps none between steps on these releases): the
+            # release's own step, decided by one look-up before anything else.
+            return original(self, outputs, model_kwargs, is_encoder_decoder, num_new_tokens)
         key = "decoder_position_ids" if is_encoder_decoder else "position_ids"
-        position_ids = model_kwargs.get(key)
         model_kwargs = original(self, outputs, model_kwargs, is_encoder_decoder, num_new_tokens)
-        if position_ids is not None and _overridden_outside_transformers(type(self)):
+        if _overridden_outside_transformers(type(self)):
             # A stack's own model class that overrides this step and calls it (OpenVINO's
             # OVModelForCausalLM appends the next position itself on these releases): advancing
             # here too would advance twice. Its override decides, as on stock.
             return model_kwargs
         # Only positions the caller passed are here (generate() itself keeps none between steps on
         # these releases), and the original never touches them: advance them as the fixed release.
-        if position_ids is not None and model_kwargs.get(key) is position_ids:
+        if model_kwargs.get(key) is position_ids:
             import torch
 
             # The new tokens' positions follow the last one, appended as 5.3.0+ does: the step's

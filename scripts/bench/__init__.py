@@ -20,6 +20,9 @@ Figures (goal in brackets; every ratio is per round, summarised as median/min/ma
    reverted, min of ``timeit`` repeats, on transformers 5.13.0, 5.18.0, 5.24.0 [<= 1.0 µs]
 8. instructions per decoding step under ``valgrind --tool=callgrind``, counted in the decode loop
    only, overlay / without: ratio and extra instructions per layer and step (information)
+9. the whole ``generate()`` call under callgrind, per release lane (``--lanes``), mode and depth:
+   extra instructions per generated token, overlay - stock [<= 3,000 where nothing fires,
+   <= 30,000 with the repetition penalty on a padded batch]; ``--attribute`` leaves each patch out
 
 Figure 4 also gives the decoding-step ratio of a model with 8 layers of hidden size 512 [<= 1.005].
 
@@ -37,4 +40,5 @@ FIGURES = {
     6: ("gpu_host_inputs", "GPU static-cache generate: host-side inputs / on-device inputs (overlay applied)"),
     7: ("per_call", "extra µs per layer and decoding step: cache update + attention call, overlay / reverted"),
     8: ("callgrind", "instructions per decoding step (callgrind, decode loop only): overlay / without"),
+    9: ("whole_generate", "whole generate() call, extra instructions per generated token (callgrind): overlay - stock"),
 }

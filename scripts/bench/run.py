@@ -6,6 +6,7 @@
     python -m scripts.bench --out DIR       # default: results/ (git-ignored)
     python -m scripts.bench --only 7 --lanes tf-5-13-0,tests,tf-5-24-0   # figure 7's releases (nox lanes)
     python -m scripts.bench --only 7 --overlay-root /tmp/before          # the overlay of another checkout
+    python -m scripts.bench --only 9 --lanes tf-4-57-6,tests --layers 2 --modes greedy,beam   # whole generate()
     python -m scripts.bench --merge A.json B.json --out DIR   # one report from several runs (later wins)
 
 Writes ``DIR/bench-<UTC time>.json`` and ``.png`` (plus ``latest.json`` / ``latest.png``) and
@@ -27,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable, then
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     __package__ = "scripts.bench"
 
-from . import FIGURES, callgrind, common, generate, gpu, percall, prepare_inputs, report, startup  # noqa: E402
+from . import FIGURES, callgrind, common, generate, gpu, percall, prepare_inputs, report, startup, whole  # noqa: E402
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -44,6 +45,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lanes", default=None,
                         help="figure 7: comma-separated nox lanes (folders under .nox) or interpreters; "
                              "default: tf-5-13-0,tests,tf-5-24-0 where built (smoke: this interpreter)")
+    parser.add_argument("--modes", default=None,
+                        help=f"figure 9: comma-separated modes (default: all of {','.join(whole.MODES)})")
+    parser.add_argument("--layers", default=None, help="figure 9: comma-separated model depths (default: 2,8)")
+    parser.add_argument("--rounds", default=None, type=int, help="figure 9: counted rounds (default: 3)")
+    parser.add_argument("--attribute", action="store_true",
+                        help="figure 9: also leave each applied patch out in turn (one round; slow)")
     parser.add_argument("--overlay-root", default=None, type=Path,
                         help="workers import the overlay from this checkout (e.g. a git worktree of an older "
                              "commit: a BEFORE measured with the same benchmark code)")
@@ -99,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if any(f["status"] == common.ERROR for f in data["figures"]) else 0
     started = datetime.now(timezone.utc)
     load_start = report.load_average()
-    options = {"host_device": args.host_device, "gpu_device": args.gpu_device, "lanes": args.lanes}
+    options = {"host_device": args.host_device, "gpu_device": args.gpu_device, "lanes": args.lanes,
+               "modes": args.modes, "layers": args.layers, "rounds": args.rounds, "attribute": args.attribute}
     if args.overlay_root is not None:
         common.OVERLAY_ROOT = str(args.overlay_root.resolve())
     wanted = args.figures
@@ -113,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         6: gpu.run,
         7: percall.run,
         8: callgrind.run,
+        9: whole.run,
     }
     for number, run in single.items():
         if number in wanted:

@@ -18,6 +18,7 @@ WORKERS = {
     "percall": "scripts.bench.percall",
     "callgrind": "scripts.bench.callgrind",
     "callgrind_percall": "scripts.bench.callgrind",
+    "whole": "scripts.bench.whole",
 }
 
 

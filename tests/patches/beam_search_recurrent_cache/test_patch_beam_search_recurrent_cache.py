@@ -261,3 +261,33 @@ def test_a_model_that_is_not_a_torch_module_gets_the_release_beam_search():
     assert replacement(model, "input ids", use_cache=True) == "the release's result"
     assert calls == [(model, ("input ids",), {"use_cache": True})]
     assert STEP not in vars(model)
+
+
+def test_a_model_class_without_cache_params_gets_nothing_per_step():
+    """Issue 39: decided once per model class. Llama (no forward of its classes takes
+    ``cache_params``) runs the release's own loop: no forward hook, no routed step, in any step;
+    Mamba (the positive control) gets both on the releases the patch applies to."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from overlay.testing.models import tiny_model
+
+    class Probe(StoppingCriteria):
+        """Notes, at every step, whether the model carries the patch's hook and routing."""
+
+        def __init__(self, model):
+            self.model, self.seen = model, set()
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.seen.add((len(self.model._forward_hooks), STEP in vars(self.model)))
+            return input_ids.new_zeros(input_ids.shape[0], dtype=bool)
+
+    beam_search = PATCH.patch_module
+    llama, mamba = tiny_model("llama"), _model("mamba")
+    assert not beam_search.takes_cache_params(type(llama))
+    assert beam_search.takes_cache_params(type(mamba))
+    with PATCH.applied():
+        probes = {name: Probe(model) for name, model in (("llama", llama), ("mamba", mamba))}
+        for name, model in (("llama", llama), ("mamba", mamba)):
+            _beam_search(model, stopping_criteria=StoppingCriteriaList([probes[name]]))
+    assert probes["llama"].seen == {(0, False)}
+    assert probes["mamba"].seen == ({(1, True)} if PATCH.affected else {(0, False)})

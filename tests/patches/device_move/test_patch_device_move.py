@@ -406,14 +406,14 @@ def _worker(device_spec: str, models: tuple[str, ...] = MODELS) -> dict:
             GenerationMixin.prepare_inputs_for_generation = original
 
     results = {"device": device_name, "transformers": transformers.__version__, "runs": {}}
-    models = {}
+    built = {}  # not `models`: that is the parameter, read below
     for name, config in configs.items():
         cpu_model = tiny_model(name, config=config)
         runs = {"cpu": generate(cpu_model, False, "static")["ids"]}
         # A separate instance for the device: generate keeps its static cache on the model and
         # some releases (5.13) reuse it on the next call, which would bring a CPU cache along.
         model = tiny_model(name, device=device, config=config)
-        models[name] = model
+        built[name] = model
         stock_code()
         runs["stock"] = {case: generate(model, *args) for case, args in cases.items()}
         with overlay_applied() as status:
@@ -437,7 +437,7 @@ def _worker(device_spec: str, models: tuple[str, ...] = MODELS) -> dict:
             return model_inputs
 
     overriding = Gemma3WithOwnPrepareInputs(configs["gemma3"]).eval()
-    overriding.load_state_dict(models["gemma3"].state_dict())
+    overriding.load_state_dict(built["gemma3"].state_dict())
     overriding.to(device)
     results["override"] = {"stock": generate(overriding, *cases["host_static"])}
     Gemma3WithOwnPrepareInputs.super_calls = 0

@@ -263,3 +263,54 @@ def test_encoder_decoder_reads_the_decoder_mask():
             (processor,) = [p for p in built if isinstance(p, RepetitionPenaltyLogitsProcessor)]
             kinds[name] = type(processor) is RepetitionPenaltyLogitsProcessor
     assert kinds == {"attention_mask": True, "decoder_attention_mask": not PATCH.affected}
+
+
+def test_later_steps_cost_one_op_and_give_the_first_steps_formula():
+    """Issue 39: the padding positions are found once per call (the first step); every later step
+    of the call adds one small op to the release's own (an out-of-place ``index_put``), and its
+    scores are what the first step's formula (padding replaced by the row's first real token) gives
+    for that step's ids, also when the rows of one prompt's beams trade places."""
+    if not PATCH.affected:
+        pytest.skip(f"{PATCH.id} is not applied on this release (the release's own processor runs)")
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import GenerationConfig, RepetitionPenaltyLogitsProcessor
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    prompt = torch.tensor([[0, 0, 9, 11], [5, 6, 7, 12]])
+    with PATCH.applied():
+        (processor,) = [p for p in _model()._get_logits_processor(
+            GenerationConfig(repetition_penalty=PENALTY), input_ids_seq_length=4,
+            model_kwargs={"attention_mask": mask}) if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+    stock = RepetitionPenaltyLogitsProcessor(PENALTY)
+    generator = torch.Generator().manual_seed(0)
+
+    # Two beams per prompt (rows 0-1 prompt 0, rows 2-3 prompt 1), the processor built before the
+    # inputs were expanded; the rows of a prompt swap places between steps, as beam search does.
+    ids = prompt.repeat_interleave(2, dim=0)
+    for step in range(4):
+        scores = torch.randn(4, 128, generator=generator)
+        with Ops() as with_patch:
+            got = processor(ids, scores.clone())
+        with Ops() as release:
+            stock(ids, scores.clone())
+        fixed = ids.clone()
+        fixed[:2, :2] = ids[:2, 2:3]  # prompt 0's padding: its first real token, in both beams
+        assert torch.equal(got, stock(fixed, scores.clone())), step
+        assert not torch.equal(got, stock(ids, scores.clone())), step  # the padding is left out
+        if step:
+            extra = list(with_patch.names)
+            for name in release.names:
+                extra.remove(name)
+            assert extra == ["aten.index_put"], (step, extra)
+        new = torch.randint(3, 128, (4, 1), generator=generator)
+        ids = torch.cat([ids[[1, 0, 3, 2]], new], dim=1)
