@@ -15,10 +15,12 @@ block by :mod:`overlay.environment`.
                       (null: not checked, ``--no-verify`` or transformers not installed), and why not
                       (where null: why it was not checked)
 ``patches``           one object per patch: ``id, title, state, reason, module, transformers_version,
-                      affected, fixed_in, variants`` and ``would_be`` (the state the patch would reach
-                      if the hook were active; null when it is active, and with ``--no-verify``, whose
-                      states are those the patches reach in the reporting process itself, the overlay
-                      activated there as the fresh process would)
+                      affected, fixed_in, variants, changes`` (what the fix changes where it applies:
+                      ``"errors"``, only calls that raise on stock; ``"output"``, calls that complete on
+                      stock give the fixed release's tokens or scores; ``"both"``) and ``would_be``
+                      (the state the patch would reach if the hook were active; null when it is active,
+                      and with ``--no-verify``, whose states are those the patches reach in the
+                      reporting process itself, the overlay activated there as the fresh process would)
 ``import_errors``     target modules that failed to import in the verification process (``--no-verify``:
                       in the reporting process)
 ``settings``          one object per setting of ``overlay/config.py``'s table, keyed by its environment
@@ -35,8 +37,18 @@ block by :mod:`overlay.environment`.
 ``--env`` (``attn-overlay env``) prints another document, the bug-report block: one object of
 ``key: text`` in the order of the text block (``overlay/environment.py``).
 
+``--compare PROGRAM [ARGS]`` (or ``--compare -m MODULE [ARGS]``) runs the program twice, each in a
+fresh process of this interpreter: stock (``ATTN_OVERLAY=0``, so the startup hook, where installed,
+leaves transformers alone) and with the overlay (``python -m overlay.apply PROGRAM``), and compares
+what the program printed on stdout and its exit status. It prints which patches fired in the overlay
+run (``overlay.fired()``) and exits 0 where the two runs are identical, 1 where they differ (naming
+what fired), 2 where it could not compare (the program could not be started, the overlay run did not
+report, a run timed out: the reason is printed). Both runs get the same environment otherwise, so a
+program that is not deterministic by itself (unseeded sampling, timings) differs by itself: seed it.
+Its stderr (warnings, progress bars) is shown on a difference, never compared.
+
 Within one schema number keys are only ever added (``settings`` and ``summary`` were added within
-schema 1); a key
+schema 1, and each patch's ``changes``); a key
 removed or given another meaning raises the number.
 """
 
@@ -59,9 +71,11 @@ from .environment import why_the_hook_is_inactive
 
 # The report and the hook's check live in install_check; their names stay readable here.
 from .install_check import HOOK_NOT_CHECKED, SCHEMA, build_report, interpreter_flags, setting_problems
+from .patch import CHANGES_ERRORS
 
 __all__ = [
-    "SCHEMA", "build_report", "interpreter_flags", "main", "print_environment", "report", "run_program",
+    "COMPARE_COULD_NOT", "COMPARE_DIFFERENT", "COMPARE_IDENTICAL", "FIRED_FILE_VAR", "SCHEMA", "build_report", "compare",
+    "interpreter_flags", "main", "print_environment", "report", "run_program",
     "setting_problems", "why_the_hook_is_inactive",
 ]
 
@@ -69,6 +83,8 @@ USAGE = """\
 python -m overlay.apply [--json] [--strict] [--no-verify]
 python -m overlay.apply [--strict] PROGRAM.py [ARGS...]
 python -m overlay.apply [--strict] -m MODULE [ARGS...]
+python -m overlay.apply --compare PROGRAM.py [ARGS...]
+python -m overlay.apply --compare -m MODULE [ARGS...]
 python -m overlay.apply --env [--json]    (also: attn-overlay env [--json])"""
 
 #: The console script's subcommand for ``--env``: ``attn-overlay env``. Only there: ``python -m
@@ -82,7 +98,11 @@ in a fresh subprocess (same interpreter, same flags) that the startup hook reall
 overlay there, and show the settings in force. With a program or -m MODULE: run it with the
 patches applied (for environments where startup hooks are not processed, e.g. `python -S`,
 embedded interpreters, or ATTN_OVERLAY=0); its child processes (multiprocessing spawn and
-forkserver children included) get them too wherever the startup hook is installed."""
+forkserver children included) get them too wherever the startup hook is installed. With --compare
+and a program: run it stock and with the overlay, each in a fresh process, and say whether its
+stdout and exit status differ and which patches fired (exit 0: identical, 1: different, 2: could
+not compare). ATTN_OVERLAY_FIXES=errors keeps only the fixes that change nothing but calls that
+raise on stock (the table's `changes` column says what each fix changes)."""
 
 #: How the report's reason begins where a module shadows the overlay (``environment.shadow_reason``).
 _SHADOWED_REASON = "`import overlay` finds "
@@ -111,6 +131,13 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         help="print the block to paste into a bug report (versions, accelerator, hook, patches, changed "
         "settings; no model runs); with --json, the same keys as one object. `attn-overlay env` is the same",
     )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="run the program (or -m MODULE) twice in fresh processes, stock and with the overlay, and "
+        "compare its stdout and exit status; prints which patches fired. Exit 0: identical, 1: they "
+        "differ, 2: the comparison could not run (the reason is printed)",
+    )
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run library module as a script")
     # Everything from the program (or -m's module) on belongs to the program.
     options: list[str] = []
@@ -125,6 +152,10 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(options)
     if args.env and (args.module or rest):
         parser.error("--env runs nothing: leave out the program (or -m MODULE)")
+    if args.compare and not (args.module or rest):
+        parser.error("--compare needs a program: --compare PROGRAM.py [ARGS...] or --compare -m MODULE [ARGS...]")
+    if args.compare and (args.env or args.json):
+        parser.error("--compare prints its own verdict: leave out --env and --json")
     return args, rest
 
 
@@ -154,16 +185,27 @@ def _settings_table(settings: dict[str, Any]) -> str:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    headers = ("patch", "status", "why")
+    # "changes": what the fix changes where it applies (errors / output / both: Patch.changes);
+    # a row from an older verification child may lack it.
+    headers = ("patch", "status", "changes", "why")
     body = [
-        (r["id"], r["state"] if not r.get("would_be") else f"{r['state']} (would be: {r['would_be']})", r["reason"])
+        (
+            r["id"],
+            r["state"] if not r.get("would_be") else f"{r['state']} (would be: {r['would_be']})",
+            r.get("changes") or "?",
+            r["reason"],
+        )
         for r in rows
     ]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(headers[:2])]
-    lines = [f"{headers[0]:<{widths[0]}}  {headers[1]:<{widths[1]}}  {headers[2]}"]
-    lines.append(f"{'-' * widths[0]}  {'-' * widths[1]}  {'-' * 3}")
-    for pid, state, why in body:
-        lines.append(f"{pid:<{widths[0]}}  {state:<{widths[1]}}  {why}")
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(headers[:3])]
+    lines = [f"{headers[0]:<{widths[0]}}  {headers[1]:<{widths[1]}}  {headers[2]:<{widths[2]}}  {headers[3]}"]
+    lines.append(f"{'-' * widths[0]}  {'-' * widths[1]}  {'-' * widths[2]}  {'-' * 3}")
+    for pid, state, changes, why in body:
+        lines.append(f"{pid:<{widths[0]}}  {state:<{widths[1]}}  {changes:<{widths[2]}}  {why}")
+    lines.append(
+        "changes: errors = only calls that raise on stock; output = calls that complete on stock give other "
+        f"tokens or scores (the fixed release's); both. {config.FIXES_VAR}=errors keeps only the first"
+    )
     return "\n".join(lines)
 
 
@@ -209,6 +251,7 @@ def run_program(args: argparse.Namespace, rest: list[str]) -> int:
     in_force = engine.settings()
     assert in_force is not None  # apply() has just activated the overlay
     _hand_down_to_children(strict=in_force.strict)
+    _write_fired_at_exit()
     if args.module:
         cannot = _cannot_run_module(args.module)
         if cannot is not None:  # what `python -m MODULE` prints, and its exit status
@@ -228,6 +271,177 @@ def run_program(args: argparse.Namespace, rest: list[str]) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(program)))
     runpy.run_path(program, run_name="__main__")
     return 0
+
+
+#: Where ``--compare``'s overlay run writes what fired and what was applied: the comparison's own
+#: channel, so that the program's stdout and stderr stay the program's. Internal: read and removed
+#: by :func:`run_program` (the program's own children do not inherit it).
+FIRED_FILE_VAR = "_ATTN_OVERLAY_COMPARE_FIRED"
+
+#: ``--compare``'s exit statuses.
+COMPARE_IDENTICAL, COMPARE_DIFFERENT, COMPARE_COULD_NOT = 0, 1, 2
+
+
+def _write_fired_at_exit() -> None:
+    """In ``--compare``'s overlay run: at exit, write ``overlay.fired()`` and the patches' states
+    to the file :data:`FIRED_FILE_VAR` names (nothing without it). Never raises."""
+    path = os.environ.pop(FIRED_FILE_VAR, None)
+    if not path:
+        return
+    import atexit
+
+    def write() -> None:
+        from . import report as fired_report
+
+        try:
+            document = {
+                "fired": fired_report.fired(),
+                "patches": {s.id: {"state": s.state, "changes": s.changes} for s in engine.status()},
+            }
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(document, f)
+        except Exception:  # the program's exit is the program's: the comparison says what is missing
+            pass
+
+    atexit.register(write)
+
+
+def _child_environment() -> dict[str, str]:
+    """The environment both ``--compare`` runs start from: this one, with this very overlay package
+    importable (a plain checkout found through the working directory or PYTHONPATH, as the doctor
+    does); an overlay in site-packages is found there anyway."""
+    import site
+
+    env = dict(os.environ)
+    env.pop(FIRED_FILE_VAR, None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    site_folders = {os.path.abspath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
+    if root not in site_folders:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _first_difference(stock: str, ours: str) -> str:
+    """Where two outputs first differ, as two quoted lines."""
+    a, b = stock.splitlines(), ours.splitlines()
+    for number, (left, right) in enumerate(zip(a, b, strict=False), start=1):
+        if left != right:
+            return f"line {number}:\n  stock:   {left!r}\n  overlay: {right!r}"
+    shorter, longer, which = (a, b, "overlay") if len(a) < len(b) else (b, a, "stock")
+    if len(a) != len(b):
+        return f"line {len(shorter) + 1}: only the {which} run prints it: {longer[len(shorter)]!r}"
+    return "only in line endings or a trailing newline"
+
+
+def compare(args: argparse.Namespace, rest: list[str]) -> int:
+    """``--compare``: the program stock and with the overlay, each in a fresh process of this
+    interpreter (same flags); 0 identical stdout and exit status, 1 different, 2 could not compare
+    (see the module docstring)."""
+    import subprocess
+    import tempfile
+
+    from .install_check import interpreter_flags as flags_of_this_interpreter
+
+    if args.module:
+        cannot = _cannot_run_module(args.module)
+        target = ["-m", args.module, *rest]
+    else:
+        cannot_open = _cannot_run_path(rest[0])
+        cannot = None if cannot_open is None else cannot_open[0]
+        target = list(rest)
+    shown = " ".join(target)
+    if cannot is not None:
+        print(f"attn-overlay --compare: could not compare: {cannot}", file=sys.stderr)
+        return COMPARE_COULD_NOT
+    python = [sys.executable, *flags_of_this_interpreter()]
+    env = _child_environment()
+    # The overlay run imports this package: check first that a fresh process finds this one, or
+    # a difference would only say that the overlay run could not start.
+    here = os.path.dirname(os.path.abspath(__file__))
+    probe = subprocess.run(
+        [*python, "-c", "import os, overlay; print(os.path.abspath(overlay.__file__))"],
+        env=env, capture_output=True, text=True,
+    )
+    found = probe.stdout.strip().splitlines()[-1:] if probe.returncode == 0 else []
+    if not found or os.path.realpath(os.path.dirname(found[0])) != os.path.realpath(here):
+        why = f"it finds {found[0]}" if found else (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        print(
+            f"attn-overlay --compare: could not compare: a fresh process of {sys.executable} does not import "
+            f"this overlay ({here}): {why}",
+            file=sys.stderr,
+        )
+        return COMPARE_COULD_NOT
+    strict = ["--strict"] if args.strict else []
+    with tempfile.TemporaryDirectory(prefix="attn-overlay-compare-") as scratch:
+        fired_path = os.path.join(scratch, "fired.json")
+        runs = {}
+        for name, command, extra in (
+            # Stock: ATTN_OVERLAY=0 turns the startup hook off in the process and its children.
+            ("stock", [*python, *target], {config.ENABLE_VAR: "0"}),
+            ("overlay", [*python, "-m", "overlay.apply", *strict, *target], {FIRED_FILE_VAR: fired_path}),
+        ):
+            try:
+                runs[name] = subprocess.run(command, env={**env, **extra}, capture_output=True)
+            except (OSError, KeyboardInterrupt) as exc:
+                print(f"attn-overlay --compare: could not compare: the {name} run did not run: {exc}", file=sys.stderr)
+                return COMPARE_COULD_NOT
+        try:
+            with open(fired_path, encoding="utf-8") as f:
+                reported: dict[str, Any] | None = json.load(f)
+        except (OSError, ValueError):
+            reported = None
+    stock, ours = runs["stock"], runs["overlay"]
+    print(f"attn-overlay --compare: {shown}")
+    print(f"  stock (ATTN_OVERLAY=0): exit status {stock.returncode}, {len(stock.stdout)} bytes on stdout")
+    print(f"  with the overlay:       exit status {ours.returncode}, {len(ours.stdout)} bytes on stdout")
+    fired_ids: list[str] = []
+    if reported is None:
+        print(
+            "  what fired: unknown: the overlay run ended without reporting it (killed by a signal, "
+            "os._exit, or it failed before its program started: see its stderr below)"
+        )
+    else:
+        fired = reported.get("fired", {})
+        fired_ids = sorted(fired)
+        patches = reported.get("patches", {})
+        applied = [pid for pid, entry in patches.items() if entry.get("state") == engine.APPLIED]
+        print(f"  applied in the overlay run: {len(applied)} patch(es)" + (f" ({config.FIXES_VAR}={config.fixes()})"
+              if config.fixes() != config.FIXES_ALL else ""))
+        if fired_ids:
+            print("  fired: " + ", ".join(
+                f"{pid} ({fired[pid]} call(s); changes {patches.get(pid, {}).get('changes', '?')})" for pid in fired_ids
+            ))
+        else:
+            print("  fired: none (no patch changed anything in this run)")
+    differences = []
+    if stock.returncode != ours.returncode:
+        differences.append(f"exit status {stock.returncode} stock, {ours.returncode} with the overlay")
+    if stock.stdout != ours.stdout:
+        differences.append(
+            "stdout differs at " + _first_difference(stock.stdout.decode(errors="replace"), ours.stdout.decode(errors="replace"))
+        )
+    if not differences:
+        print("identical: the same stdout and exit status" + (
+            f" (though {', '.join(fired_ids)} fired: what they changed did not reach the output)" if fired_ids else ""
+        ))
+        return COMPARE_IDENTICAL
+    print("DIFFERENT: " + "; ".join(differences))
+    if fired_ids:
+        kinds = {(reported or {}).get("patches", {}).get(pid, {}).get("changes") for pid in fired_ids}
+        print(f"  what fired: {', '.join(fired_ids)} (python -m overlay.apply shows what each patch fixes; "
+              f"{config.DISABLE_VAR}=<id> leaves one out)")
+        if kinds == {CHANGES_ERRORS}:
+            print("  each of them changes only calls that raise on stock: the difference is a call stock failed")
+        elif config.fixes() == config.FIXES_ALL:
+            print(f"  {config.FIXES_VAR}=errors keeps only the fixes of calls that raise on stock")
+    else:
+        print("  no patch fired: the program differs by itself (unseeded randomness, timings, the environment)?")
+    for name, run in runs.items():
+        tail = run.stderr.decode(errors="replace").strip().splitlines()[-5:]
+        if tail and run.returncode != 0:
+            print(f"  {name} run's stderr ends:")
+            print("\n".join(f"    {line}" for line in tail))
+    return COMPARE_DIFFERENT
 
 
 def _hand_down_to_children(strict: bool) -> None:
@@ -299,6 +513,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[:1] == [ENV_SUBCOMMAND] and _started_as_console_script():
             argv = ["--env", *argv[1:]]
     args, rest = _parse(argv)
+    if args.compare:
+        return compare(args, rest)
     if args.module or rest:
         return run_program(args, rest)
     try:

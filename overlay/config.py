@@ -47,10 +47,11 @@ from typing import Any
 
 #: The names other modules use; the rest is this module's own.
 __all__ = [
-    "ALL_PATCHES", "BY_NAME", "DEPRECATED_GUARD_MODES", "DISABLE_VAR", "ENABLE_VAR", "FALSE_WORDS", "FROM_DEFAULT",
+    "ALL_PATCHES", "BY_NAME", "DEPRECATED_GUARD_MODES", "DISABLE_VAR", "ENABLE_VAR", "FALSE_WORDS", "FIXES", "FIXES_ALL",
+    "FIXES_DEFAULT", "FIXES_ERRORS", "FIXES_VAR", "FROM_DEFAULT",
     "FROM_ENVIRONMENT", "GUARD_DEFAULT", "GUARD_MODES", "GUARD_VAR", "LOGGER_NAME", "LOG_LEVEL_VAR", "LOG_RANKS_VAR",
     "RANK_VARS", "REPORT_VAR", "SETTINGS", "STRICT_VAR", "Value", "auto_enabled", "cache_dir", "configure_logging",
-    "disabled_patch_ids", "guard_mode", "in_force", "log_level", "problems", "process_rank", "report_at_exit",
+    "disabled_patch_ids", "fixes", "guard_mode", "in_force", "log_level", "problems", "process_rank", "report_at_exit",
     "reset_warnings", "strict_from_env", "value",
 ]
 
@@ -76,6 +77,8 @@ CACHE_DIR_VAR = "ATTN_OVERLAY_CACHE_DIR"
 LOG_LEVEL_VAR = "ATTN_OVERLAY_LOG_LEVEL"
 #: ``ATTN_OVERLAY_LOG_RANKS=0|all``: which ranks of a distributed job log below warning.
 LOG_RANKS_VAR = "ATTN_OVERLAY_LOG_RANKS"
+#: ``ATTN_OVERLAY_FIXES=all|errors``: which fixes apply, by what they change (``Patch.changes``).
+FIXES_VAR = "ATTN_OVERLAY_FIXES"
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -86,6 +89,14 @@ GUARD_DEFAULT = "align"
 DEPRECATED_GUARD_MODES = {"strict": "check"}
 
 ALL_PATCHES = "all"
+
+#: ``ATTN_OVERLAY_FIXES``'s words: every fix, or only those that change nothing but calls that
+#: raise on the stock release (``overlay.patch.CHANGES_ERRORS``: this module imports nothing of
+#: the package, so the engine compares ``Patch.changes`` with that word itself).
+FIXES_ALL = "all"
+FIXES_ERRORS = "errors"
+FIXES = (FIXES_ALL, FIXES_ERRORS)
+FIXES_DEFAULT = FIXES_ALL
 
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 LOG_LEVEL_DEFAULT = "warning"
@@ -247,6 +258,24 @@ def _patch_ids(setting: Setting, raw: str, known_patch_ids: tuple[str, ...] | No
     )
 
 
+def _fixes(setting: Setting, raw: str, known_patch_ids: tuple[str, ...] | None) -> Reading:
+    word = raw.strip().lower()
+    if word in FIXES:
+        return Reading(word)
+    import difflib  # only on this path: a typo to explain
+
+    close = difflib.get_close_matches(word, FIXES, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    # Not the default: someone who set this variable at all asked to choose what changes, and a
+    # typo must not give them the output changes they meant to keep out. `errors` changes no call
+    # that completes on stock, so it is the one value that cannot surprise them.
+    return Reading(FIXES_ERRORS, (
+        f"attn-overlay: {setting.name}={raw!r} is not a choice of fixes{hint} (accepted: {setting.values}); "
+        f"using {FIXES_ERRORS}, which changes no call that completes on the stock release; set "
+        f"{setting.name}={FIXES_ALL} for every fix"
+    ))
+
+
 def _path(setting: Setting, raw: str, known_patch_ids: tuple[str, ...] | None) -> Reading:
     return Reading(os.path.expanduser(raw.strip()))
 
@@ -274,6 +303,18 @@ SETTINGS: tuple[Setting, ...] = (
         "leaves these patches out; an id that names no patch is reported, with the valid ids and the "
         "closest one",
         _patch_ids,
+    ),
+    Setting(
+        FIXES_VAR,
+        ", ".join(FIXES),
+        FIXES_DEFAULT,
+        FIXES_DEFAULT,
+        "which fixes apply: `all` every one; `errors` only those that change nothing but calls that raise "
+        "on the stock release (an error becomes a working run), so every call stock completes gives the "
+        "stock output; the fixes that change completed calls (other tokens or scores: the fixed release's) "
+        "are disabled with a reason saying so (the status table's `changes` column); a value outside these "
+        "is reported, with the closest one, and `errors` is used",
+        _fixes,
     ),
     Setting(
         STRICT_VAR,
@@ -395,6 +436,11 @@ def disabled_patch_ids(known_patch_ids: Iterable[str] | None = None) -> frozense
     """The ids ``ATTN_OVERLAY_DISABLE`` leaves out, normalised (``all``: every patch). With
     ``known_patch_ids``, spelled as the patches spell them, and an id naming no patch is reported."""
     return value(DISABLE_VAR, known_patch_ids).value
+
+
+def fixes() -> str:
+    """``ATTN_OVERLAY_FIXES``: :data:`FIXES_ALL` or :data:`FIXES_ERRORS`."""
+    return value(FIXES_VAR).value
 
 
 def report_at_exit() -> bool:

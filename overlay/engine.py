@@ -33,6 +33,9 @@ from .import_watch import ModuleWatch
 # The verdict's state words are the engine's too (engine.FIXED_UPSTREAM, ...): re-exported.
 from .patch import (  # noqa: F401
     APPLIED,
+    CHANGES_BOTH,
+    CHANGES_ERRORS,
+    CHANGES_OUTPUT,
     FAILED,
     FIXED_UPSTREAM,
     NOT_INSTALLED,
@@ -63,6 +66,7 @@ __all__ = [
     "APPLIED", "BAD_STATES", "DISABLED", "DISPLACED", "FAILED", "FIXED_UPSTREAM", "INACTIVE", "NOT_INSTALLED",
     "OUT_OF_RANGE", "OverlayError", "PENDING", "PatchStatus", "TRANSFORMERS", "UNRECOGNISED", "activation_error", "applied",
     "apply", "gate", "import_target_modules", "installed_transformers_version", "is_active", "isolated", "known_patches",
+    "left_out_by_fixes",
     "revert", "reverted",
     "settings", "status",
 ]
@@ -108,6 +112,8 @@ class PatchStatus:
     fixed_in: str | None
     variants: tuple[str, ...] = ()
     """Release labels of the code each target matched (what the fingerprints recognised)."""
+    changes: str = CHANGES_BOTH
+    """What the patch changes where it applies (``Patch.changes``: errors, output or both)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +126,7 @@ class PatchStatus:
             "affected": self.affected,
             "fixed_in": self.fixed_in,
             "variants": list(self.variants),
+            "changes": self.changes,
         }
 
 
@@ -146,12 +153,15 @@ class Settings:
 
     strict: bool = False
     disabled: frozenset[str] = frozenset()
+    fixes: str = config.FIXES_ALL
+    """``ATTN_OVERLAY_FIXES``: ``errors`` leaves out every patch whose ``changes`` is not errors."""
 
     @classmethod
     def from_env(cls, strict: bool | None = None) -> Settings:
         return cls(
             strict=config.strict_from_env() if strict is None else strict,
             disabled=config.disabled_patch_ids([patch.id for patch in known_patches()]),
+            fixes=config.fixes(),
         )
 
 
@@ -233,6 +243,10 @@ def _apply_patch(record: _Record, module: ModuleType) -> bool:
     # the release facts know (_code_decides).
     verdict = judge_code(patch, read_source)
     state, reason = _code_decides(record, verdict)
+    left_out = left_out_by_fixes(patch, _engine.settings.fixes) if state == APPLIED and _engine.settings else None
+    if left_out is not None:  # the code says it would apply (a label outside the range): the setting decides
+        _set(record, DISABLED, left_out)
+        return False
     if state != APPLIED:
         if state == UNRECOGNISED:
             reason = foreign_code(patch, judged) or reason
@@ -349,12 +363,35 @@ def import_target_modules() -> dict[str, str]:
     return errors
 
 
-def _initial_record(patch: Patch, version: str | None, disabled: frozenset[str]) -> _Record:
+def left_out_by_fixes(patch: Patch, fixes: str) -> str | None:
+    """The reason ``ATTN_OVERLAY_FIXES=fixes`` leaves ``patch`` out (it changes the output of
+    calls that complete on stock), or ``None`` where the setting keeps it."""
+    if fixes != config.FIXES_ERRORS or patch.changes == CHANGES_ERRORS:
+        return None
+    # The patch's own words for the output it changes: its "(no error) ..." texts.
+    silent = [text.removeprefix("(no error) ") for text in patch.errors if text.startswith("(no error)")]
+    what = f" ({silent[0]})" if silent else ""
+    also = "" if patch.changes == CHANGES_OUTPUT else "; it also fixes calls that raise on stock, which raise again"
+    return (
+        f"disabled by {config.FIXES_VAR}={config.FIXES_ERRORS}: it changes the output of calls that complete "
+        f"on stock{what}{also}; {config.FIXES_VAR}={config.FIXES_ALL} applies it"
+    )
+
+
+def _initial_record(
+    patch: Patch, version: str | None, disabled: frozenset[str], fixes: str = config.FIXES_ALL
+) -> _Record:
     label_only = False
     if patch.id in disabled or "all" in disabled:
         state, reason = DISABLED, f"disabled by {config.DISABLE_VAR}"
     else:
         state, reason = gate(patch, version)
+        # ATTN_OVERLAY_FIXES leaves out a patch the release would get; one fixed upstream or out of
+        # range keeps that state (stock already gives the fixed output, or the patch never applied),
+        # and where the code outranks the label, _apply_patch asks again.
+        left_out = left_out_by_fixes(patch, fixes) if state == PENDING else None
+        if left_out is not None:
+            state, reason = DISABLED, left_out
         # Outside the range by the version label alone (or a label that is not PEP 440): the code
         # is judged too once its module has executed, and decides where the release facts know it.
         label_only = state in (FIXED_UPSTREAM, OUT_OF_RANGE) or (state == UNRECOGNISED and version is not None)
@@ -367,6 +404,7 @@ def _initial_record(patch: Patch, version: str | None, disabled: frozenset[str])
         transformers_version=version,
         affected=patch.affected,
         fixed_in=patch.fixed_in,
+        changes=patch.changes,
     )
     return _Record(patch=patch, status=status, label_only=label_only)
 
@@ -478,7 +516,7 @@ def _activate(settings: Settings, only: Iterable[str] | None, *, from_startup: b
                     _set(_engine.records[patch.id], INACTIVE, "not selected")
                 continue
             if record is None or record.status.state in (INACTIVE, DISABLED):
-                _engine.records[patch.id] = _initial_record(patch, _engine.version, settings.disabled)
+                _engine.records[patch.id] = _initial_record(patch, _engine.version, settings.disabled, settings.fixes)
         executing = _engine.imports.watch({r.patch.module for r in _engine.records.values() if r.awaits_code})
         if config.report_at_exit():
             from . import report
@@ -619,9 +657,10 @@ def status() -> list[PatchStatus]:
             version = installed_transformers_version()
             patches = known_patches()
             disabled = config.disabled_patch_ids([p.id for p in patches])  # read once, not per patch
+            fixes = config.fixes()
             out = []
             for patch in patches:
-                record = _initial_record(patch, version, disabled)
+                record = _initial_record(patch, version, disabled, fixes)
                 reason = _engine.startup_error or "overlay not activated in this process"
                 would_be = f"{reason}; would be: {record.status.state} ({record.status.reason})"
                 out.append(replace(record.status, state=INACTIVE, reason=would_be))

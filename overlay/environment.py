@@ -36,7 +36,8 @@ from ._version import __version__
 #: The names other modules use; the rest is this module's own.
 __all__ = [
     "LIBRARIES", "NOT_INSTALLED", "SHADOW_PREFIX", "cannot_see_an_accelerator", "collect", "distribution_version",
-    "format_block", "settings_in_force", "shadow_reason", "startup_hook_lines", "startup_hook_watching", "torch_build",
+    "CHANGES_KEY", "changes_lines", "format_block", "settings_in_force", "shadow_reason", "startup_hook_lines",
+    "startup_hook_watching", "torch_build",
     "why_the_hook_is_inactive",
 ]
 
@@ -437,10 +438,12 @@ def patch_lines() -> Lines:
     if engine.is_active():
         lines: Lines = {"patches": "the overlay is active in this process: each line is the state in force"}
         lines.update((s.id, f"{s.state}: {s.reason}" if s.state in engine.BAD_STATES else s.state) for s in statuses)
+        lines.update(changes_lines())
         return lines
     version = engine.installed_transformers_version()
     patches = {patch.id: patch for patch in engine.known_patches()}
     disabled = config.disabled_patch_ids(list(patches))
+    fixes = config.fixes()
     lines = {
         "patches": "the overlay is not active in this process (transformers is not imported here): each line "
         "says what the version gate makes of the installed release (pending: in range, its code is checked "
@@ -451,8 +454,31 @@ def patch_lines() -> Lines:
             would_be = engine.DISABLED
         else:
             would_be = engine.gate(patches[status.id], version)[0]
+            if would_be == engine.PENDING and engine.left_out_by_fixes(patches[status.id], fixes) is not None:
+                would_be = engine.DISABLED
         lines[status.id] = f"{status.state} (would be: {would_be})"
+    lines.update(changes_lines())
     return lines
+
+
+#: The block's key for what each patch changes (never a patch id: ids have no spaces).
+CHANGES_KEY = "what the patches change"
+
+
+def changes_lines() -> Lines:
+    """One line: the patches by what they change (``Patch.changes``), and what
+    ``ATTN_OVERLAY_FIXES`` keeps of them."""
+    from .patch import CHANGES, CHANGES_BOTH, CHANGES_ERRORS, CHANGES_OUTPUT
+
+    by_kind: dict[str, list[str]] = {kind: [] for kind in CHANGES}
+    for patch in engine.known_patches():
+        by_kind.setdefault(patch.changes, []).append(patch.id)
+    words = {CHANGES_ERRORS: "errors only (calls that raise on stock)",
+             CHANGES_OUTPUT: "output (calls that complete on stock)", CHANGES_BOTH: "both"}
+    parts = [f"{words.get(kind, kind)}: {', '.join(ids) or 'none'}" for kind, ids in by_kind.items()]
+    fixes = config.fixes()
+    kept = "all apply" if fixes == config.FIXES_ALL else "only the errors-only ones apply"
+    return {CHANGES_KEY: "; ".join(parts) + f" ({config.FIXES_VAR}={fixes}: {kept})"}
 
 
 def settings_in_force() -> list[config.Value]:

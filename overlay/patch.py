@@ -22,7 +22,8 @@ from typing import Any, NamedTuple, cast
 
 #: The names other modules use; the rest is this module's own.
 __all__ = [
-    "ABSENT_OPTIONAL", "APPLIED", "BEFORE", "FAILED", "FIXED", "FIXED_UPSTREAM", "MISSING", "NEW", "NOT_INSTALLED", "ORIGINAL",
+    "ABSENT_OPTIONAL", "APPLIED", "BEFORE", "CHANGES", "CHANGES_BOTH", "CHANGES_ERRORS", "CHANGES_OUTPUT", "FAILED",
+    "FIXED", "FIXED_UPSTREAM", "MISSING", "NEW", "NOT_INSTALLED", "ORIGINAL",
     "OUT_OF_RANGE", "PATCH_MARKER", "PENDING", "Patch", "Target", "UNRECOGNISED", "Variant", "argument_reader", "assess",
     "block_at", "code_in_module", "fingerprint", "fingerprint_source", "function_of", "judge_code", "lowest_release",
     "source_in_module_text", "source_of", "wraps",
@@ -30,6 +31,19 @@ __all__ = [
 
 #: Attribute set on every replacement the engine installs: the id of the patch it belongs to.
 PATCH_MARKER = "__overlay_patch__"
+
+# What a fix changes (``Patch.changes``), in the words status, ``--json``, ``attn-overlay env``,
+# the pytest header and the README's table print. The stock release is the reference: a call
+# "raises" or "completes" there.
+CHANGES_ERRORS = "errors"
+"""Only calls that raise on the stock release: an error becomes a working run. Every call the
+release completes gives the same output with the patch (what ``ATTN_OVERLAY_FIXES=errors`` keeps)."""
+CHANGES_OUTPUT = "output"
+"""Calls that complete on the stock release: other tokens or scores (the first fixed release's)."""
+CHANGES_BOTH = "both"
+"""Both: some calls that raise on stock now work, and some that complete give other output."""
+#: Every value ``Patch.changes`` accepts, in the order tables list them.
+CHANGES = (CHANGES_ERRORS, CHANGES_OUTPUT, CHANGES_BOTH)
 
 
 @dataclass(frozen=True)
@@ -226,8 +240,20 @@ class Patch:
     """Ids of the ``python -m overlay.doctor`` scenarios that prove this fix on a user's machine
     (``overlay/doctor/_scenarios.py``): the doctor reports each scenario with the patches that
     name it, and ``tests/tools/test_doctor.py`` checks every id names a scenario."""
+    changes: str = CHANGES_BOTH
+    """What the fix changes on a release it applies to: :data:`CHANGES_ERRORS` (only calls that
+    raise on stock), :data:`CHANGES_OUTPUT` (calls that complete on stock give other tokens or
+    scores) or :data:`CHANGES_BOTH`. ``ATTN_OVERLAY_FIXES=errors`` leaves off every patch that
+    does not say ``"errors"``. Every shipped patch declares it (``tests/patches/test_patch_declarations.py``
+    holds each declaration true); the default, for patches built by tests and tools, is the
+    cautious one: a fix that says nothing may change output."""
 
     def __post_init__(self) -> None:
+        if self.changes not in CHANGES:
+            raise ValueError(
+                f"patch {self.id!r} declares changes={self.changes!r}; use one of {', '.join(map(repr, CHANGES))} "
+                "(overlay.patch.CHANGES_ERRORS, CHANGES_OUTPUT, CHANGES_BOTH)"
+            )
         if not self.targets:
             raise ValueError(f"patch {self.id!r} declares no targets")
         modules = {t.module for t in self.targets}

@@ -118,16 +118,32 @@ def _states() -> list[str]:
     version = engine.installed_transformers_version()
     patches = engine.known_patches()
     disabled = config.BY_NAME[config.DISABLE_VAR].read([p.id for p in patches]).value
+    fixes = config.BY_NAME[config.FIXES_VAR].read().value
     return [
-        engine.DISABLED if (patch.id in disabled or config.ALL_PATCHES in disabled) else _gate_state(patch, version)
+        engine.DISABLED if (patch.id in disabled or config.ALL_PATCHES in disabled) else _gate_state(patch, version, fixes)
         for patch in patches
     ]
 
 
-def _gate_state(patch: Any, version: str | None) -> str:
+def _changes_of_applied() -> str:
+    """What the patches in force (or, before transformers is imported, those the gate would apply)
+    change: ``"12 errors only, 6 output, 5 both"`` (``Patch.changes``); empty when none applies."""
+    from . import engine
+    from .patch import CHANGES, CHANGES_ERRORS
+
+    states = _states()
+    kinds = [patch.changes for patch, state in zip(engine.known_patches(), states, strict=True)
+             if state in (engine.APPLIED, engine.PENDING, PENDING_IMPORT)]
+    words = {CHANGES_ERRORS: "errors only"}
+    return ", ".join(f"{kinds.count(kind)} {words.get(kind, kind)}" for kind in CHANGES if kinds.count(kind))
+
+
+def _gate_state(patch: Any, version: str | None, fixes: str) -> str:
     from . import engine
 
     state = engine.gate(patch, version)[0]
+    if state == engine.PENDING and engine.left_out_by_fixes(patch, fixes) is not None:
+        return engine.DISABLED  # ATTN_OVERLAY_FIXES=errors: as the engine will decide
     return PENDING_IMPORT if state == engine.PENDING else state
 
 
@@ -154,6 +170,23 @@ def header_line() -> str:
     return f"attn-overlay {__version__}: {counts} (transformers {version}, {_hook_phrase()})"
 
 
+def changes_line() -> str | None:
+    """The header's second line: what the fixes counted on the first change, e.g. ``attn-overlay
+    fixes counted above change: 7 errors only, 3 output, 3 both (ATTN_OVERLAY_FIXES=all: every
+    fix)``, so that a run shows whether it can differ from stock's output (the applied and pending
+    ones: those the run gets); ``None`` where transformers is not installed."""
+    from . import config, engine
+
+    if engine.installed_transformers_version() is None:
+        return None
+    in_force = engine.settings()  # active: the settings read when it activated
+    fixes = in_force.fixes if in_force is not None else config.BY_NAME[config.FIXES_VAR].read().value
+    kept = "every fix" if fixes == config.FIXES_ALL else "only fixes of calls that raise on stock"
+    changes = _changes_of_applied() or "nothing"
+    # Not "attn-overlay: ...": lines so prefixed are the settings' warnings.
+    return f"attn-overlay fixes counted above change: {changes} ({config.FIXES_VAR}={fixes}: {kept})"
+
+
 def setting_warnings() -> list[str]:
     """The warnings the settings in force earn (``install_check.setting_messages``), each as one
     line beginning ``attn-overlay: ``; empty when every setting is one the table accepts."""
@@ -172,12 +205,15 @@ def _setting_warnings_or_why_not() -> list[str]:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     try:
-        line = header_line()
+        lines = [header_line()]
+        changes = changes_line()
+        if changes is not None:
+            lines.append(changes)
     except Exception as exc:  # a broken patch file must not stop the test run; strict mode says more
-        line = f"attn-overlay: status unavailable ({type(exc).__name__}: {exc})"
+        lines = [f"attn-overlay: status unavailable ({type(exc).__name__}: {exc})"]
     # The engine logs these when it activates, where pytest's log capture keeps them out of sight
     # (and not at all before transformers is imported): said here, once per run, instead.
-    return [line, *_setting_warnings_or_why_not()]
+    return [*lines, *_setting_warnings_or_why_not()]
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

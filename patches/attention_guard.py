@@ -362,6 +362,7 @@ def _replace_registry_lookup(original, variant):
 
 PATCH = patch_with_release_facts(
     id="attention-guard",
+    changes="errors",
     title="Attention entry guard: q, k, v on one device, one dtype, compatible shapes (named errors)",
     errors=(
         "Expected all tensors to be on the same device, but found at least two devices",

@@ -65,6 +65,7 @@ def _replace_get_top_k_continuations(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="output",
     title="Beam sampling ranks the candidates it samples by score",
     errors=(
         "(no error) generate(do_sample=True, num_beams=N) returns other sequences and lower sequences_scores "

@@ -165,6 +165,7 @@ _TWO_CASES = ("MoshiDepthDecoder", "ImageGPTForCausalImageModeling")
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="Beam search takes the vocabulary width of a model whose output head differs from its config",
     errors=(
         "RuntimeError: shape '[1, 61440]' is invalid for input of size 63488 (generate(num_beams=N), "

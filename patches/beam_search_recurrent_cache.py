@@ -211,6 +211,7 @@ def make_beam_search(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="output",
     title="Beam search reorders the recurrent state of Mamba, Mamba2 and Falcon Mamba with the beams",
     errors=(
         "(no error) generate(num_beams=N) on Mamba, Mamba2 or Falcon Mamba gives other sequences and scores "

@@ -123,6 +123,7 @@ def make_mask_function(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="output",
     title="Chunked attention (Llama 4) counts each left-padded row's chunks from its first token",
     errors=(
         "(no error) a left-padded batch on Llama 4 (attention_chunk_size) longer than one chunk: the padded "

@@ -303,6 +303,7 @@ STARTS_AT_ZERO = {**STARTS_AT_ZERO_WITH_CACHE_POSITION, "cache_position_after": 
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="both",
     title="Chunked prefill (prefill_chunk_size) gives every chunk its own position ids, left padding "
     "included, continues decoding at the prompt length and starts after the tokens a cache passed in "
     "already holds; on 5.0.0 it works with the default cache",

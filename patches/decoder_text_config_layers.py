@@ -90,6 +90,7 @@ def make_get_text_config(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="T5-family configs give the caches the decoder's layer count (num_decoder_layers)",
     errors=("IndexError: list index out of range",),
     why=(

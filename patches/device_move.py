@@ -112,6 +112,7 @@ def _replace_prepare_inputs_for_generation(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="Move nested input tensors (per-layer-type attention masks) onto the model device",
     errors=(
         "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "

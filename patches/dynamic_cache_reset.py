@@ -145,6 +145,7 @@ DROPPED_AND_FLAGGED = {"forget": _dropped_and_flagged, "original_after": True}
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="both",
     title="DynamicCache.reset() empties the cache, so a cache reused after reset() generates like a fresh one",
     errors=(
         "(no error) generate() with a DynamicCache reused after cache.reset() gives other tokens than with a "

@@ -110,6 +110,7 @@ def make_init(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="Encoder-decoder caches grow to the decoder's depth (T5, BART with a deeper decoder)",
     errors=("IndexError: list index out of range",),
     why=(

@@ -76,6 +76,7 @@ def _replace_prepare_cache(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="generate(cache_implementation=\"dynamic\") works for encoder-decoder models (T5, BART, Whisper)",
     errors=(
         "UnboundLocalError: cannot access local variable 'is_updated' where it is not associated with a value",

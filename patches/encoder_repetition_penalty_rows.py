@@ -71,6 +71,7 @@ def _replace_call(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="output",
     title="encoder_repetition_penalty with beams or return sequences penalises each row by its own prompt",
     errors=(
         "(no error) generate(encoder_repetition_penalty=..., num_beams=N) or num_return_sequences=N: "

@@ -103,6 +103,7 @@ def _realloc_cache_in_model_dtype(module, model):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="ExecuTorch seq2seq export allocates its static cache in the model's dtype",
     errors=(
         "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16",

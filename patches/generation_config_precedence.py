@@ -93,6 +93,7 @@ def make_prepare(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="output",
     title="An explicit GenerationConfig passed to generate() keeps its values over the model's generation config",
     errors=(
         "(no error) generate(generation_config=GenerationConfig(do_sample=False)) samples when the model's "

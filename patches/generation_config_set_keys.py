@@ -84,6 +84,7 @@ def make_init(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="output",
     title="GenerationConfig(...) remembers the values its caller set (used by generation-config-precedence)",
     errors=(
         "(no error) generate(generation_config=GenerationConfig(do_sample=False)) samples when the model's "

@@ -154,6 +154,7 @@ TOLERANT = {"device_argument": None, "layer_ready": None}
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title=(
         "A static cache kept across generate() calls is rebuilt when the model's device or dtype changed, "
         "or when a failed call left it half-initialised"

@@ -614,6 +614,7 @@ _SLIDING_FROM_5_4 = {"StaticSlidingWindowLayer": _window_writes}
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="KV cache hands attention the compute dtype; static caches store in their own dtype",
     errors=(
         "index_copy_(): self and source expected to have the same dtype, but got (self) Float and (source) BFloat16",

@@ -90,6 +90,7 @@ def _replace_update_model_kwargs(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="both",
     title="position_ids passed to generate() advance with each new token",
     errors=(
         "(no error) generate(position_ids=...) gives other tokens than the same call without position_ids: "

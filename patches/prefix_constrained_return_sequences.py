@@ -87,6 +87,7 @@ def _replace_get_logits_processor(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="both",
     title="prefix_allowed_tokens_fn with sampling and num_return_sequences sees each row's own prompt",
     errors=(
         "IndexError: list index out of range (in prefix_allowed_tokens_fn, called by "

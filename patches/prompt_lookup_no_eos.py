@@ -60,6 +60,7 @@ def _replace_get_candidates(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="Prompt lookup decoding (prompt_lookup_num_tokens) works for models without an eos token",
     errors=(
         "TypeError: isin() received an invalid combination of arguments - got (Tensor, NoneType), "

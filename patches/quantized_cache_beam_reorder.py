@@ -104,6 +104,7 @@ def make_update(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="Beam search with a quantized cache reorders its quantized states with the beams",
     errors=("IndexError: index out of range in self",),
     why=(

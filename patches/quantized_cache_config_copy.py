@@ -65,6 +65,7 @@ def _replace_prepare_cache(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="both",
     title="generate() with a quantized cache leaves the caller's cache_config dict unchanged",
     errors=(
         "(no error) a cache_config dict reused for another generate(cache_implementation=\"quantized\") call "

@@ -156,6 +156,7 @@ def _replace_get_logits_processor(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="output",
     title="The repetition penalty leaves each row's left padding out",
     errors=(
         "(no error) generate(repetition_penalty=...) on a left-padded batch: the padded rows generate "

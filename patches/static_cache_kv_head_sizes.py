@@ -116,6 +116,7 @@ def make_update(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="A static cache stores keys and values in their own head sizes (DeepSeek-V2/V3: qk_head_dim != v_head_dim)",
     errors=("RuntimeError: index_copy_(): Source/destination tensor must have same slice shapes.",),
     why=(

@@ -299,6 +299,7 @@ PER_LAYER_HEAD_SHAPES = {"global_head_shapes": False}
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title=(
         "Static cache under tensor parallelism divides KV heads by tp_size only when k_proj is sharded colwise; "
         "configs whose layers differ (Gemma 4) get per-layer shapes"

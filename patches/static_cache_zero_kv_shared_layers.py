@@ -114,6 +114,7 @@ def make_init(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="errors",
     title="StaticCache builds its layers for num_kv_shared_layers=0 (Gemma 4, Gemma 3n set to 0) instead of none",
     errors=("IndexError: list index out of range",),
     why=(

@@ -144,6 +144,7 @@ def _replace_init(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="both",
     title="stop_strings with CJK text or emoji stop generation on byte-level tokenizers",
     errors=(
         "ValueError: Stop string preprocessing was unable to identify tokens matching one or more of the "

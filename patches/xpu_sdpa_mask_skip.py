@@ -57,6 +57,7 @@ def _replace_ignore_causal_mask_sdpa(original, variant):
 
 PATCH = patch_with_release_facts(
     id=PATCH_ID,
+    changes="output",
     title="On an XPU machine, SDPA keeps the causal mask of a multi-token query over a cache",
     errors=(
         "(no error) on a machine with an Intel XPU, generate() with assistant_model, "

@@ -316,13 +316,25 @@ def _not_on_this_release(scenarios: Iterable[Scenario]) -> dict[str, str]:
     nested-mask device move on releases before 5.13.0, which never moved inputs at all, so no
     failure is counted there). Decided by the engine's
     own version gate; a release where a patch is fixed upstream still runs it (stock must pass)."""
-    from ..engine import OUT_OF_RANGE, gate, installed_transformers_version
+    from .. import config
+    from ..engine import OUT_OF_RANGE, PENDING, gate, installed_transformers_version, left_out_by_fixes
 
     version = installed_transformers_version()
     patches = known_patches()
+    # The children read ATTN_OVERLAY_FIXES from the environment they inherit (engine.apply), so
+    # the "with" run leaves out what the setting leaves out: a scenario only such patches prove
+    # would fail by design, and is skipped, saying why.
+    fixes = config.fixes()
     out: dict[str, str] = {}
     for scenario in scenarios:
         proven_by = [p for p in patches if scenario.id in p.doctor]
+        left_out = [p for p in proven_by if gate(p, version)[0] == PENDING and left_out_by_fixes(p, fixes) is not None]
+        if proven_by and len(left_out) == len(proven_by):
+            out[scenario.id] = (
+                f"{config.FIXES_VAR}={fixes} disables {', '.join(p.id for p in left_out)}, which change the output "
+                f"of calls that complete on stock ({config.FIXES_VAR}={config.FIXES_ALL} runs it)"
+            )
+            continue
         if version is not None and proven_by and all(gate(p, version)[0] == OUT_OF_RANGE for p in proven_by):
             ranges = "; ".join(f"{p.id} covers transformers {p.affected}" for p in proven_by)
             # Not "not a bug": outside a patch's range the bug may be absent (the device move

@@ -285,3 +285,70 @@ def test_check_fails_on_a_stale_settings_table_and_the_script_repairs_it(tmp_pat
     assert readme.read_text(encoding="utf-8") == current
     readme.write_text(current.replace(readme_table.SETTINGS_END, ""), encoding="utf-8")  # half a pair
     assert readme_table.main(["--check", "--readme", str(readme)]) == 2
+
+
+# -- ATTN_OVERLAY_FIXES (issue 40) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", ["all", "errors", " ERRORS ", "All"])
+def test_fixes_takes_all_or_errors(raw, clean_env, caplog):
+    clean_env.setenv(config.FIXES_VAR, raw)
+    with caplog.at_level(logging.WARNING, logger="overlay"):
+        assert config.fixes() == raw.strip().lower()
+    assert _warnings(caplog) == [] and config.problems() == []
+
+
+def test_fixes_defaults_to_all(clean_env):
+    assert config.fixes() == config.FIXES_ALL == config.BY_NAME[config.FIXES_VAR].default
+
+
+@pytest.mark.parametrize(("raw", "closest"), [("error", "errors"), ("eror", "errors"), ("al", "all"), ("crashes", None)])
+def test_a_fixes_value_outside_the_table_is_named_with_the_closest_and_keeps_outputs_stock(raw, closest, clean_env, caplog):
+    # Not the default: a typo of someone choosing what changes must not bring the output changes back.
+    clean_env.setenv(config.FIXES_VAR, raw)
+    with caplog.at_level(logging.WARNING, logger="overlay"):
+        assert config.fixes() == config.FIXES_ERRORS
+        assert config.fixes() == config.FIXES_ERRORS  # read again: no second warning
+    (message,) = _warnings(caplog)
+    assert f"{config.FIXES_VAR}={raw!r} is not a choice of fixes" in message
+    assert f"(accepted: {config.BY_NAME[config.FIXES_VAR].values})" in message
+    assert ("(did you mean " + repr(closest) + "?)" in message) if closest else "did you mean" not in message
+    assert "using errors, which changes no call that completes on the stock release" in message
+    assert config.problems() == [message]
+
+
+def test_the_engine_reads_fixes_once_with_the_other_settings(clean_env):
+    clean_env.setenv(config.FIXES_VAR, "errors")
+    assert engine.Settings.from_env().fixes == config.FIXES_ERRORS
+    clean_env.delenv(config.FIXES_VAR)
+    assert engine.Settings.from_env().fixes == config.FIXES_ALL
+
+
+def test_status_before_activation_says_what_fixes_would_leave_out():
+    # In a process of its own (this one's engine has been activated by other tests): the patches the
+    # release would get that change completed calls would be disabled, naming the setting; the
+    # errors-only ones would not.
+    code = "import json, overlay; print(json.dumps({s.id: [s.reason, s.changes] for s in overlay.status()}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=dict(os.environ, **{config.FIXES_VAR: "errors"}), check=True)
+    reasons = json.loads(done.stdout)
+    patches = {p.id: p for p in engine.known_patches()}
+    version_here = engine.installed_transformers_version()
+    for pid, (reason, changes) in reasons.items():
+        assert changes == patches[pid].changes
+        pending = engine.gate(patches[pid], version_here)[0] == engine.PENDING
+        if pending and changes != "errors":
+            assert "would be: disabled (disabled by ATTN_OVERLAY_FIXES=errors: it changes the output" in reason, reason
+        else:
+            assert "ATTN_OVERLAY_FIXES" not in reason, reason
+
+
+def test_a_bad_fixes_value_fails_strict_mode(clean_env):
+    clean_env.setenv(config.FIXES_VAR, "sometimes")
+    done = subprocess.run([sys.executable, "-m", "overlay.apply", "--strict", "--no-verify", "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    report = json.loads(done.stdout)
+    assert done.returncode == 1 and report["ok"] is False
+    entry = report["settings"][config.FIXES_VAR]
+    assert entry["value"] == "errors" and "is not a choice of fixes" in entry["problem"]
+    assert {row["id"]: row["changes"] for row in report["patches"]} == {p.id: p.changes for p in engine.known_patches()}

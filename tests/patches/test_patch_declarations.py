@@ -7,6 +7,7 @@ neither torch nor transformers. What a single patch's replacement does is its ow
 from __future__ import annotations
 
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 from packaging.version import Version
@@ -19,6 +20,7 @@ from overlay.testing.harness import PatchUnderTest, heavy_imports, label_names
 pytestmark = pytest.mark.lane
 
 TRANSFORMERS = Version(version("transformers"))
+REPO = Path(__file__).resolve().parents[2]
 MODULES = {patch.id: name for patch, name in zip(load_patches(), _patch_files.package().PATCH_MODULES)}
 
 
@@ -158,3 +160,93 @@ def test_applied_puts_every_replacement_in_force_and_revert_takes_it_back(module
         assert (state, status.state) == (engine.FIXED_UPSTREAM, engine.FIXED_UPSTREAM), status.reason
         assert set(during) == {None}
     assert set(markers()) == {None}, "reverted after the block"
+
+
+# -- what each patch changes (Patch.changes; issue 40) ------------------------------------------------
+#
+# How each declaration was classified, and how this test holds it true:
+#
+# 1. Read: each patch's docstring ("What breaks"), its ``errors`` texts, and its tests in
+#    tests/patches/<module>/. An ``errors`` text that begins "(no error)" names a call that completes
+#    on stock with other output (tokens, scores, a caller's dict): the patch changes "output" (only
+#    such texts) or "both" (beside texts of errors stock raises). A patch with no such text changes
+#    "errors" only, and its tests must show that where stock completes the overlay is stock.
+# 2. Evidence: CHANGES_EVIDENCE, in each patch's own test folder, names the test there that shows it: for "output" and
+#    "both", a stock call that completes with other output than the fixed release's (so the fix changes
+#    completed calls); for "errors", a test where stock completes and the overlay gives stock's output
+#    bit for bit (or does not fire). Those tests run in every lane; this test checks the declaration,
+#    the evidence and the error texts agree, and that each named test exists, so that a declaration
+#    cannot change without its evidence changing with it.
+# 3. Behaviour: tests/tools/test_fixes.py runs a battery of ordinary completing calls under
+#    ATTN_OVERLAY_FIXES=errors against stock (token ids equal) and the two calls of the issue.
+
+def _evidence(module: str) -> tuple[str, str, str]:
+    """``CHANGES_EVIDENCE`` of the patch's own test folder (read from the source, not imported: a
+    test module may skip itself at import on a release outside its patch's range): (what it
+    changes, the test there that shows it, the evidence in words)."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "tests" / "patches" / module).glob("test_*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CHANGES_EVIDENCE" for t in node.targets):
+                found.append(ast.literal_eval(node.value))
+    assert len(found) == 1, (
+        f"tests/patches/{module}/ must define CHANGES_EVIDENCE = (changes, test name, words) once; found {len(found)}"
+    )
+    return found[0]
+
+
+def _declared_keywords(module: str) -> dict:
+    import ast
+    import inspect
+
+    source = inspect.getsource(_patch_files.module(module))
+    (assignment,) = [n for n in ast.parse(source).body if isinstance(n, ast.Assign)
+                     and any(isinstance(t, ast.Name) and t.id == "PATCH" for t in n.targets)]
+    assert isinstance(assignment.value, ast.Call)
+    return {kw.arg: kw.value for kw in assignment.value.keywords}
+
+
+@pytest.mark.parametrize("module", list(MODULES.values()), ids=list(MODULES))
+def test_the_patch_declares_what_it_changes_as_its_evidence_shows(module):
+    import ast
+    import re
+
+    from overlay.patch import CHANGES, CHANGES_BOTH, CHANGES_ERRORS, CHANGES_OUTPUT
+
+    patch = _under_test(module).patch
+    declared = _declared_keywords(module).get("changes")
+    # Written in the file, never the dataclass's cautious default: the README and ATTN_OVERLAY_FIXES read it.
+    assert declared is not None, f"{module}: declare changes= in patch_with_release_facts(...)"
+    assert isinstance(declared, ast.Constant) and declared.value in CHANGES, ast.unparse(declared)
+    assert patch.changes == declared.value
+    changes, test_name, _ = _evidence(module)
+    assert patch.changes == changes, f"{patch.id} declares {patch.changes!r}; its evidence says {changes!r}"
+    # The evidence test is one of the patch's own.
+    folder = REPO / "tests" / "patches" / module
+    defined = {name for path in folder.glob("test_*.py")
+               for name in re.findall(r"^def (test_\w+)\(", path.read_text(encoding="utf-8"), re.M)}
+    assert test_name in defined, f"{patch.id}: no {test_name} in {folder}"
+    # The error texts agree: "(no error) ..." names a completed call whose output changes.
+    silent = [text for text in patch.errors if text.startswith("(no error)")]
+    raised = [text for text in patch.errors if re.search(r"\b\w*(Error|Exception)\b|index_copy_|Expected|expected", text)
+              and not text.startswith("(no error)")]
+    if patch.changes == CHANGES_ERRORS:
+        assert not silent, f"{patch.id} says errors, yet names output it changes: {silent}"
+    if patch.changes in (CHANGES_OUTPUT, CHANGES_BOTH):
+        assert silent, f"{patch.id} says {patch.changes}: name the output it changes in a '(no error) ...' text"
+    if patch.changes == CHANGES_OUTPUT:
+        assert not raised, f"{patch.id} says output, yet names errors stock raises: {raised}"
+    if patch.changes == CHANGES_BOTH:
+        assert raised, f"{patch.id} says both, yet names no error stock raises"
+
+
+def test_a_patch_that_declares_no_known_change_is_refused():
+    from overlay.patch import Patch, Target
+
+    target = Target(module="transformers.generation.utils", qualname="GenerationMixin.generate",
+                    replace=lambda original, variant: original)
+    with pytest.raises(ValueError, match=r"changes='tokens'; use one of 'errors', 'output', 'both'"):
+        Patch(id="x", title="x", errors=(), why="x", upstream="x", affected=">=1", fixed_in=None,
+              targets=(target,), changes="tokens")

@@ -272,3 +272,31 @@ def test_the_program_mode_reaches_spawn_and_forkserver_children(fresh, tmp_path)
                      env={"ATTN_OVERLAY": "0"}, timeout=400)
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results == {"spawn": True, "spawn exit": 0, "forkserver": True, "forkserver exit": 0}, done.stderr
+
+
+# -- what each patch changes (issue 40) ------------------------------------------------------------------
+
+
+def test_the_table_and_json_say_what_each_patch_changes_and_errors_leaves_out_the_others(tmp_path):
+    from overlay import engine
+
+    declared = {patch.id: patch.changes for patch in engine.known_patches()}
+    done = _python("-m", "overlay.apply", "--json", "--no-verify", cwd=tmp_path, env={"ATTN_OVERLAY_FIXES": "errors"})
+    report = json.loads(done.stdout)
+    assert {row["id"]: row["changes"] for row in report["patches"]} == declared
+    assert report["settings"]["ATTN_OVERLAY_FIXES"]["value"] == "errors"
+    assert not [row["id"] for row in report["patches"] if row["state"] == "applied" and row["changes"] != "errors"]
+    table = _python("-m", "overlay.apply", "--no-verify", cwd=tmp_path, env={"ATTN_OVERLAY_FIXES": "errors"}).stdout
+    header = next(line for line in table.splitlines() if line.startswith("patch "))
+    assert header.split() == ["patch", "status", "changes", "why"]
+    for row in report["patches"]:
+        line = next(line for line in table.splitlines() if line.startswith(row["id"] + " "))
+        assert f"  {row['changes']}  " in line, line
+    assert "ATTN_OVERLAY_FIXES=errors keeps only the first" in table
+
+
+def test_help_and_usage_name_compare():
+    done = subprocess.run([sys.executable, "-m", "overlay.apply", "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert "--compare PROGRAM.py [ARGS...]" in done.stdout and "--compare -m MODULE [ARGS...]" in done.stdout
+    assert "exit 0: identical, 1: different, 2: could" in " ".join(done.stdout.split())

@@ -697,3 +697,36 @@ def test_chunked_prefill_scenario_on_the_installed_release(fake_device_run):
     assert scenario["without"]["ok"] is fixed_upstream
     assert scenario["with"]["patches"] == {"chunked-prefill": "fixed upstream" if fixed_upstream else "applied"}
     _assert_fixed_with_identical_tokens(scenario)
+
+
+# -- ATTN_OVERLAY_FIXES (issue 40) -----------------------------------------------------------------
+
+
+def test_fixes_errors_skips_a_scenario_only_output_fixes_prove_and_says_why(monkeypatch):
+    # The doctor's children inherit ATTN_OVERLAY_FIXES (engine.apply reads it there): a scenario that
+    # only patches the setting leaves out prove would fail by design. It is skipped, naming them;
+    # scenarios of errors-only fixes still run. Decided for the installed release by the engine's gate.
+    from overlay import config, engine
+    from overlay.doctor._scenarios import SCENARIOS
+
+    patches = engine.known_patches()
+    version_here = engine.installed_transformers_version()
+    monkeypatch.setenv(config.FIXES_VAR, config.FIXES_ALL)
+    every = _runner._not_on_this_release(SCENARIOS)
+    monkeypatch.setenv(config.FIXES_VAR, config.FIXES_ERRORS)
+    errors_only = _runner._not_on_this_release(SCENARIOS)
+    assert not any(config.FIXES_VAR in why for why in every.values())
+    for scenario in SCENARIOS:
+        proven_by = [p for p in patches if scenario.id in p.doctor]
+        left_out = [p for p in proven_by if engine.gate(p, version_here)[0] == engine.PENDING and p.changes != "errors"]
+        if proven_by and len(left_out) == len(proven_by):
+            why = errors_only[scenario.id]
+            assert why.startswith(f"{config.FIXES_VAR}={config.FIXES_ERRORS} disables "), why
+            assert all(p.id in why for p in left_out) and "change the output of calls that complete" in why
+        else:
+            assert config.FIXES_VAR not in errors_only.get(scenario.id, ""), scenario.id
+    # chunked-prefill is proven by one patch, which changes both errors and output: where it applies,
+    # the setting skips it.
+    chunked = next(p for p in patches if p.id == "chunked-prefill")
+    if engine.gate(chunked, version_here)[0] == engine.PENDING:
+        assert "chunked-prefill" in errors_only and "chunked-prefill" not in every

@@ -919,3 +919,9 @@ def test_the_wrapper_built_for_the_models_call_shape_behaves_as_the_generic_one(
         assert isinstance(error, guard.AttentionInputError)
         assert problem_lines(str(error))[0].startswith(f"  - {defect}: ")
         assert type(error.__cause__) is type(stock_error) and str(error.__cause__) == str(stock_error)
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_matching_inputs_pass_untouched_in_every_mode',
+                    'q, k, v that go together reach the kernel untouched; a cast only after the kernel raised')

@@ -144,3 +144,9 @@ def test_beam_search_without_sampling_is_stock_bit_for_bit():
     assert patched["ids"] == stock["ids"]
     torch.testing.assert_close(patched["scores"], stock["scores"], rtol=0, atol=0)
     assert fired == 0
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('output', 'test_stock_finishes_the_first_candidates_drawn',
+                    'stock beam sampling completes with other sequences and scores')

@@ -316,3 +316,9 @@ def test_the_view_answers_one_read_in_its_own_thread():
     with _ReadOnce(config, view):  # never read: put back on the way out
         pass
     assert "get_text_config" not in vars(config) and config.get_text_config() is config
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_a_head_as_wide_as_the_config_is_stock',
+                    "acts only where the logits' width differs from the config, where stock's reshape raises")

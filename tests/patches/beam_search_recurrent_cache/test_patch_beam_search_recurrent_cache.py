@@ -291,3 +291,9 @@ def test_a_model_class_without_cache_params_gets_nothing_per_step():
             _beam_search(model, stopping_criteria=StoppingCriteriaList([probes[name]]))
     assert probes["llama"].seen == {(0, False)}
     assert probes["mamba"].seen == ({(1, True)} if PATCH.affected else {(0, False)})
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('output', 'test_beam_search_on_stock_transformers',
+                    'stock Mamba beam search completes with other sequences than use_cache=False')

@@ -406,3 +406,9 @@ def test_other_callers_and_compiled_regions_get_the_release_function(monkeypatch
     assert torch.equal(by_hand, stock_by_hand)
     assert torch.equal(compiling, stock)
     assert fired == {}
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('output', 'test_padded_row_on_stock_transformers',
+                    'stock Llama 4 padded rows complete with other tokens than alone')

@@ -480,3 +480,9 @@ def test_padded_batch_unchunked_run_is_stock_bit_for_bit(padded_runs, kind, cach
     assert_bit_for_bit(record["patched"]["reference"], record["stock"]["reference"])
     if not EMPTY_CACHE_BUGS:
         assert_bit_for_bit(record["patched"]["chunked"], record["stock"]["chunked"])
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('both', 'test_kept_cache_on_stock_transformers',
+                    'a kept cache completes with other tokens on stock; the decode position raises IndexError')

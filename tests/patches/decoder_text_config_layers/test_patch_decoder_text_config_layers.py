@@ -178,3 +178,9 @@ def test_report_counts_what_it_changed():
         deeper = report.fired().get(PATCH.id, 0)
     assert equal == 0
     assert (deeper > 0) == PATCH.affected
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_bart_and_sub_configs_are_left_alone',
+                    'changes only a T5-style decoder copy whose depth differs; a deeper one raises on stock')

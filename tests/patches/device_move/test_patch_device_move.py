@@ -451,3 +451,9 @@ if __name__ == "__main__":
     import json
 
     print(RESULT_MARKER + json.dumps(_worker(sys.argv[1], tuple(sys.argv[2:]) or MODELS)), flush=True)
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_controls_pass_with_and_without_the_overlay',
+                    "moves only tensors on another device than the model's, which stock's kernels refuse")

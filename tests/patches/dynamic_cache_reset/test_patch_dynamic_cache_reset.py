@@ -391,3 +391,9 @@ def test_indexed_layer_starts_its_indexer_keys_afresh():
         assert stock == {"fired": {}, "lengths": (3, 3), "as fresh": True}
         fired = {}
     assert patched == {"fired": fired, "lengths": (3, 3), "as fresh": True}
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('both', 'test_reused_cache_on_stock_transformers',
+                    'a reset cache completes with other tokens, or raises (RuntimeError, IndexError) on stock')

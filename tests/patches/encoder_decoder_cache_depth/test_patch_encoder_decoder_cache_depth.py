@@ -220,3 +220,9 @@ def test_report_counts_what_it_changed():
         deeper = report.fired().get(PATCH.id, 0)
     assert unchanged == 0
     assert (deeper > 0) == PATCH.affected
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_static_cache_gives_the_default_cache_ids',
+                    "grows a cache only to the decoder's depth, where stock raises IndexError")

@@ -137,3 +137,9 @@ def test_reference_ids_vary(runs, kind):
     assert ids[0] != ids[1], ids
     if AFFECTED:
         assert any(len(set(row[1:])) > 2 for row in ids), ids
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_default_cache_untouched',
+                    'the default cache is untouched; the fixed call raised UnboundLocalError')

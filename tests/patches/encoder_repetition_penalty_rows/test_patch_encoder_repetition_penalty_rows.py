@@ -171,3 +171,9 @@ def test_processor_called_directly():
             stock = Processor(PENALTY, prompts)(None, scores.clone())
         assert not torch.equal(stock, expected)
         torch.testing.assert_close(stock[2:], scores[2:], rtol=0, atol=0)  # the last rows: no penalty at all
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('output', 'test_stock_penalises_the_wrong_rows',
+                    'stock completes, penalising the wrong rows')

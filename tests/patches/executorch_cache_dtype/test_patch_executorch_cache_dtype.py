@@ -159,3 +159,9 @@ def test_float32_model_is_left_exactly_as_stock(t5):
     assert all(layer.keys is keys and layer.values is values for layer, keys, values in allocated[stock_allocations:])
     for i, layer in enumerate(module.static_cache.layers):
         assert getattr(module, f"key_cache_{i}") is layer.keys and getattr(module, f"value_cache_{i}") is layer.values
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_float32_model_is_left_exactly_as_stock',
+                    'a float32 model is exactly stock; a bfloat16 one raised on stock')

@@ -298,3 +298,9 @@ def test_limits_of_the_record(model):
         assert _prepared(model, round_trip) == expected
         if TAKES_FLAG:
             assert expected == {k: getattr(GenerationConfig(), k) for k in MODEL_VALUES}
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('output', 'test_greedy_through_a_generation_config_on_stock',
+                    'stock completes, sampling despite GenerationConfig(do_sample=False)')

@@ -100,3 +100,9 @@ def test_an_entry_goes_with_its_config():
         del config
         gc.collect()
     assert key not in registry
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('output', 'test_the_record_leaves_the_config_as_stock_builds_it',
+                    'records the keys set (changes nothing alone): the half of the precedence fix')

@@ -444,3 +444,9 @@ if __name__ == "__main__":
     import json
 
     print(RESULT_MARKER + json.dumps(_worker()), flush=True)
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_nothing_changed_reuses_the_same_cache_and_does_not_fire',
+                    "reuses stock's kept cache unless device or dtype changed, where stock raises")

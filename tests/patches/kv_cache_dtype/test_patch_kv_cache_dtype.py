@@ -473,3 +473,9 @@ def test_fired_counts_one_per_cache_update_that_changed_something():
         assert f"{PATCH.id} fired in {updates} call(s)" in line
     finally:
         report.reset()
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_the_patch_never_fails_or_changes_results_where_stock_works',
+                    "property test: wherever stock completes, the overlay's results equal stock's")

@@ -203,3 +203,9 @@ def test_a_stacks_override_that_advances_positions_itself_is_not_advanced_twice(
     assert own_fix["ids"] == reference["ids"]  # the stack's own fix, on stock
     assert patched == own_fix  # the overlay steps aside: one advance per step, not two
     assert report.fired().get(PATCH.id, 0) == 0
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('both', 'test_stock_feeds_the_last_prompt_position',
+                    'stock completes with the last prompt position for every token, or raises a size mismatch')

@@ -279,3 +279,9 @@ def test_with_the_repetition_penalty_padding_patch_both_fixes_hold():
     # this patch alone still penalises the padding.
     assert (_new(stock, lengths[0]) != alone) == (PATCH.affected or padding_affected)
     assert (_new(this_patch_only, lengths[0]) != alone) == padding_affected
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('both', 'test_stock_raises_or_mixes_the_prompts',
+                    "stock raises IndexError, or completes with another prompt's rule")

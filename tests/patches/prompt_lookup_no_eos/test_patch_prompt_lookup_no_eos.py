@@ -203,3 +203,9 @@ def test_candidate_generator_with_eos_is_unchanged(eos):
         results[state] = run
     expected = [[1, 2, 3, 4, 5, 6, 1, 2, 3]] if eos == 4 else [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]]
     assert results["stock"] == results["patched"] == {"ok": True, "candidates": expected, "eos after": [eos]}
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_models_with_an_eos_token_are_unchanged',
+                    "only models without an eos token, where stock's isin() raises TypeError")

@@ -204,3 +204,9 @@ def test_beam_search_with_a_quantized_cache(num_beams):
             assert runs["stock"][rl] == runs["patched"][rl]
     # Nothing re-quantized within 10 tokens: the prompt's quantization only, the dynamic cache's ids.
     assert runs["patched"][128]["ids"] == control["ids"]
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_layer_without_reorders_is_unchanged',
+                    'without beam reorders nothing changes; beam search raised IndexError on stock')

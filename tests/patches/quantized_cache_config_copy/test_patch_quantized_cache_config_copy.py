@@ -196,3 +196,9 @@ def test_reused_quanto_dict_for_the_same_and_another_model(model, batch):
         assert "backend" not in stock["after"] and "config" in stock["after"]
     else:
         assert stock == patched
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('both', 'test_reused_dict_on_stock_transformers',
+                    'a reused dict completes with the default backend, or raises ImportError')

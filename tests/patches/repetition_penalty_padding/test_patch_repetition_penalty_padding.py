@@ -314,3 +314,9 @@ def test_later_steps_cost_one_op_and_give_the_first_steps_formula():
             assert extra == ["aten.index_put"], (step, extra)
         new = torch.randint(3, 128, (4, 1), generator=generator)
         ids = torch.cat([ids[[1, 0, 3, 2]], new], dim=1)
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('output', 'test_stock_penalises_the_padding',
+                    'stock completes, penalising the padding of padded rows')

@@ -310,3 +310,9 @@ def test_compiled_decoding_after_an_eager_prefill():
         torch._dynamo.reset()
     assert compiled == reference
     assert fired == {ACTION: NUM_LAYERS}
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_equal_head_sizes_are_left_as_stock',
+                    'equal key and value head sizes are stock; others raised index_copy_ on stock')

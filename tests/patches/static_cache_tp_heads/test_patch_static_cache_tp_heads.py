@@ -639,3 +639,9 @@ def test_run_ranks_tells_a_teardown_crash_from_a_failed_rank(ending, tmp_path):
         expected = "before writing its results" if ending == "crash in the work" else "Traceback: boom"
         with pytest.raises(pytest.fail.Exception, match=expected):
             run_ranks(tmp_path, {"ending": ending}, worker)
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_fired_counter_counts_only_calls_that_changed_the_shape',
+                    "changes the cache shape only where stock's shape cannot take the keys (index_copy_ raises)")

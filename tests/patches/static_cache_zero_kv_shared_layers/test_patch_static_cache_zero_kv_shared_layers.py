@@ -364,3 +364,9 @@ def test_a_config_the_release_cannot_read_fails_as_on_stock():
     if hasattr(StaticCache, "early_initialization"):  # 4.56.0 on: the release asks the config first
         assert stock is not None and stock[0] == "ValueError", stock
     assert patched == stock
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('errors', 'test_where_the_slice_keeps_layers_the_overlay_is_stock',
+                    'only num_kv_shared_layers=0, whose empty cache raises IndexError on stock')

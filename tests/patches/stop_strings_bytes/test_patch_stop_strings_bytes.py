@@ -391,3 +391,9 @@ def test_generate_stock(generate_runs, kind, stop):
 def test_generate_overlay_gives_the_control_ids(generate_runs, kind, stop):
     record = generate_runs[kind, stop]
     assert record["patched"] == record["reference"]
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('both', 'test_generate_stock',
+                    'stock raises ValueError building the criterion, or completes past the stop string')

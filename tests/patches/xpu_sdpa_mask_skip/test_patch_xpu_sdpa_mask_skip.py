@@ -136,3 +136,9 @@ def test_under_the_whole_overlay(runs):
     with overlay.applied():
         whole = _generate(model, left_padded_batch((8,), seed=3), xpu=True, **MODES["chunked prefill"])
     assert whole["ok"] and whole["ids"] == runs["chunked prefill"]["control"]["ids"]
+
+
+#: What this patch changes (its declaration's ``changes``), the test here that shows it, and how
+#: (tests/patches/test_patch_declarations.py holds the three together).
+CHANGES_EVIDENCE = ('output', 'test_multi_token_queries_on_an_xpu_machine',
+                    'stock completes without the causal mask on XPU machines: other tokens')
