@@ -33,4 +33,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "quantized_cache_config_copy",
     "encoder_decoder_dynamic_cache",
     "quantized_cache_beam_reorder",
+    "cpmant_cached_generate",
 )
