@@ -112,3 +112,17 @@ def static_greedy(model, batch, **kwargs) -> dict:
 def static_cases(names):
     """A test per case of ``names``, way and prompt."""
     return pytest.mark.parametrize("name,way,prompt", [(n, w, p) for n in names for w in STATIC_WAYS for p in STATIC_PROMPTS])
+
+
+def fired_after_each(patch: PatchUnderTest, *calls: Callable[[], Any]) -> list[int]:
+    """Run ``calls`` one after the other while ``patch.applied()`` holds: how often the patch had
+    fired (``overlay.report``) after each, counted from zero."""
+    from overlay import report
+
+    report.reset()
+    counts = []
+    with patch.applied():
+        for call in calls:
+            call()
+            counts.append(report.fired().get(patch.id, 0))
+    return counts

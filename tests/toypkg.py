@@ -118,3 +118,14 @@ def remove_from_path(toy: ToyPackage) -> None:
 
 
 __all__ = ["make_toy_package", "toy_patch", "scale_target", "add_two", "remove_from_path", "CORE_SOURCE", "FIXED_COMPUTE"]
+
+
+def run_in_threads(worker, count: int, timeout: float = 30.0) -> None:
+    """Start ``count`` threads running ``worker`` at once and wait for each (``timeout`` seconds)."""
+    import threading
+
+    threads = [threading.Thread(target=worker) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)

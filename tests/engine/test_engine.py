@@ -20,6 +20,7 @@ from tests.toypkg import (
     add_two,
     make_toy_package,
     remove_from_path,
+    run_in_threads,
     scale_target,
     toy_patch,
 )
@@ -294,11 +295,7 @@ def test_concurrent_first_imports_from_threads_apply_once(toy):
 
     with engine.isolated([toy_patch(toy, replace=counting)], distribution=toy.name):
         engine.apply()
-        threads = [threading.Thread(target=worker) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        run_in_threads(worker, 8)
         assert not errors
         assert results == [3] * 8
         assert len(calls) == 1

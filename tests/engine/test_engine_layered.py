@@ -17,7 +17,7 @@ import pytest
 
 from overlay import engine
 from overlay.patch import PATCH_MARKER, Patch, Target, function_of, wraps
-from tests.toypkg import CORE_SOURCE, make_toy_package, remove_from_path
+from tests.toypkg import CORE_SOURCE, make_toy_package, remove_from_path, run_in_threads
 
 LAYERED_SOURCE = CORE_SOURCE + '''
 
@@ -406,11 +406,7 @@ def test_concurrent_first_imports_layer_each_patch_once(toy):
 
     with engine.isolated([lower, upper], distribution=toy.name):
         engine.apply()
-        threads = [threading.Thread(target=worker) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=30)
+        run_in_threads(worker, 8)
         assert errors == []
         assert results == [BOTH[(LOWER, UPPER)]] * 8
         assert len(lower_calls) == 1 and len(upper_calls) == 1

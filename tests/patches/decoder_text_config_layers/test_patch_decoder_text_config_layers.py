@@ -24,9 +24,9 @@ import pytest
 from packaging.version import Version
 
 import overlay
-from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
 from overlay.testing.models import seq2seq_outcome, tiny_seq2seq
+from tests._kit import assert_in_force_only_while_applied, fired_after_each
 
 PATCH = PatchUnderTest("decoder_text_config_layers")
 
@@ -82,15 +82,7 @@ def test_engine_status():
     from transformers import configuration_utils
 
     config_class = getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig
-    with PATCH.applied() as statuses:
-        status = statuses[PATCH.id]
-        during = config_class.get_text_config
-    if PATCH.affected:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH.id
-    else:
-        assert status.state == "out of range", status.reason
-    assert not hasattr(config_class.get_text_config, PATCH_MARKER)
+    assert_in_force_only_while_applied(PATCH, lambda: config_class.get_text_config, stepped_aside="out of range")
 
 
 def _stock_raises(depth: str, mode: str) -> bool:
@@ -168,14 +160,8 @@ def test_bart_and_sub_configs_are_left_alone():
 
 
 def test_report_counts_what_it_changed():
-    from overlay import report
-
-    report.reset()
-    with PATCH.applied():
-        seq2seq_outcome(tiny_seq2seq("t5", 2, 2))
-        equal = report.fired().get(PATCH.id, 0)
-        seq2seq_outcome(tiny_seq2seq("t5", 2, 3))
-        deeper = report.fired().get(PATCH.id, 0)
+    equal, deeper = fired_after_each(PATCH, lambda: seq2seq_outcome(tiny_seq2seq("t5", 2, 2)),
+                                     lambda: seq2seq_outcome(tiny_seq2seq("t5", 2, 3)))
     assert equal == 0
     assert (deeper > 0) == PATCH.affected
 

@@ -26,6 +26,7 @@ from overlay import _patch_files, engine
 from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
 from overlay.testing.models import SEQ2SEQ_KINDS, seq2seq_outcome, tiny_seq2seq
+from tests._kit import fired_after_each
 
 PATCH = PatchUnderTest("encoder_decoder_cache_depth")
 
@@ -209,15 +210,11 @@ def test_only_uniform_plain_caches_of_encoder_decoder_configs_grow():
 
 
 def test_report_counts_what_it_changed():
-    from overlay import report
-
-    report.reset()
-    with PATCH.applied():
+    def shallower():
         seq2seq_outcome(tiny_seq2seq("t5", 2, 2))
         seq2seq_outcome(tiny_seq2seq("bart", 3, 2), cache_implementation="static")
-        unchanged = report.fired().get(PATCH.id, 0)
-        seq2seq_outcome(tiny_seq2seq("bart", 2, 3))
-        deeper = report.fired().get(PATCH.id, 0)
+
+    unchanged, deeper = fired_after_each(PATCH, shallower, lambda: seq2seq_outcome(tiny_seq2seq("bart", 2, 3)))
     assert unchanged == 0
     assert (deeper > 0) == PATCH.affected
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 
 import overlay
-from overlay.patch import PATCH_MARKER
 from overlay.testing.harness import PatchUnderTest
+from tests._kit import assert_in_force_only_while_applied
 
 PATCH = PatchUnderTest("position_ids_advance")
 PATCH.skip_module_unless_covered()
@@ -108,16 +108,7 @@ CASES = pytest.mark.parametrize(
 def test_engine_status():
     from transformers.generation.utils import GenerationMixin
 
-    with PATCH.applied() as statuses:
-        status = statuses[PATCH.id]
-        during = GenerationMixin._update_model_kwargs_for_generation
-    if PATCH.affected:
-        assert status.state == "applied", status.reason
-        assert getattr(during, PATCH_MARKER, None) == PATCH.id
-    else:
-        assert status.state == "fixed upstream", status.reason
-        assert not hasattr(during, PATCH_MARKER)
-    assert not hasattr(GenerationMixin._update_model_kwargs_for_generation, PATCH_MARKER)
+    assert_in_force_only_while_applied(PATCH, lambda: GenerationMixin._update_model_kwargs_for_generation)
 
 
 @CASES
