@@ -284,7 +284,8 @@ def test_a_model_class_without_cache_params_gets_nothing_per_step():
     beam_search = PATCH.patch_module
     llama, mamba = tiny_model("llama"), _model("mamba")
     assert not beam_search.takes_cache_params(type(llama))
-    assert beam_search.takes_cache_params(type(mamba))
+    if PATCH.affected:  # 5.25.0's Mamba forward takes no cache_params any more (the patch steps aside there)
+        assert beam_search.takes_cache_params(type(mamba))
     with PATCH.applied():
         probes = {name: Probe(model) for name, model in (("llama", llama), ("mamba", mamba))}
         for name, model in (("llama", llama), ("mamba", mamba)):
