@@ -35,6 +35,7 @@ instead of about 9 GB with every environment kept.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import sys
@@ -57,6 +58,9 @@ CI_LANES = frozenset(matrix_data.representative_releases())
 #: tests/conftest.py sets on each module that holds a ``PatchUnderTest``: by patch, not by file
 #: name) and the matrix checks (``lane``). A module skips itself where its patch does not apply.
 LANE_SELECTION = ("-m", "patch or lane")
+
+#: tests/_kit.py's switch for a release lane's share of the release-independent costly checks.
+LANE_SHARE_VAR = "ATTN_OVERLAY_TESTS_LANE_SHARE"
 
 # The tests build models from configs: nothing may reach for the model hub.
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -128,16 +132,20 @@ def _install(session: nox.Session, release: str, *, share_torch: bool, torch: st
     # already installed) 2.13.0 and can never reach for another build (multi-GB CUDA wheels).
     # multidevice (accelerate): loading a model with tensor parallelism needs it.
     left_out = matrix_data.REQUIREMENTS_LEFT_OUT.get(release)
+    # No bytecode at install: compiling every file of transformers costs a lane about 6 s of CPU
+    # (12 s on a busy machine), while the tests import a fraction of them and Python caches what
+    # they import on first use.
+    install = functools.partial(session.install, "--no-compile")
     if left_out:
         # The release without the requirements the index cannot satisfy, then the rest of what it
         # declares (no extras), read from its installed metadata.
-        session.install(f"torch=={torch}", "-e", f"{REPO}[{extras}]")
-        session.install("--no-deps", f"transformers=={release}")
+        install(f"torch=={torch}", "-e", f"{REPO}[{extras}]")
+        install("--no-deps", f"transformers=={release}")
         declared = session.run_install("python", "-c", _DECLARED_REQUIREMENTS, *left_out, silent=True)
-        session.install(f"torch=={torch}", *declared.splitlines())
+        install(f"torch=={torch}", *declared.splitlines())
         session.log(f"transformers {release} without " + "; ".join(f"{n} ({why})" for n, why in left_out.items()))
     else:
-        session.install(f"torch=={torch}", f"transformers=={release}", "-e", f"{REPO}[{extras}]")
+        install(f"torch=={torch}", f"transformers=={release}", "-e", f"{REPO}[{extras}]")
     found = session.run_install(
         "python", "-c",
         "import importlib.metadata as m, torch; "
@@ -278,7 +286,11 @@ def _make_lane(release: str):
     def lane(session: nox.Session) -> None:
         with _environment_dropped_after(session):
             _install(session, release, share_torch=True)
-            env = {**TEST_ENV, **matrix_data.LANE_ENVIRONMENT.get(release, {})}
+            # A lane is one of many: release-independent costly checks run their share here
+            # (tests/_kit.py, LANE_SHARE_VAR), and all of them in the whole suite or with the
+            # variable at 0 in nox's environment.
+            share = os.environ.get(LANE_SHARE_VAR, "1")
+            env = {**TEST_ENV, LANE_SHARE_VAR: share, **matrix_data.LANE_ENVIRONMENT.get(release, {})}
             session.run("python", "-m", "pytest", "-ra", "--durations=10", *LANE_SELECTION, *session.posargs, env=env)
 
     lane.__doc__ = (

@@ -126,3 +126,60 @@ def fired_after_each(patch: PatchUnderTest, *calls: Callable[[], Any]) -> list[i
             call()
             counts.append(report.fired().get(patch.id, 0))
     return counts
+
+
+# -- a share per release lane ----------------------------------------------------------------------
+
+#: Set by noxfile.py's release lanes ("1"): the run is one of many (CI runs about twenty), so a
+#: test whose costly part repeats a release-independent check on every release runs its share of
+#: it there (:func:`lane_share`, :func:`at_a_patch_edge`). Unset (the whole suite, a developer's
+#: own pytest, ``nox -s tests``): everything runs. ``0`` in a lane runs everything too.
+LANE_SHARE_VAR = "ATTN_OVERLAY_TESTS_LANE_SHARE"
+
+
+def _lane_place() -> tuple[int, int] | None:
+    """(the installed release's place in the matrix, the matrix's size), or ``None`` where every
+    case runs: not a sharing lane, or a release the matrix does not list."""
+    import importlib.metadata
+    import os
+    import sys
+    from pathlib import Path
+
+    if os.environ.get(LANE_SHARE_VAR) != "1":
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import matrix_data
+
+    installed = importlib.metadata.version("transformers")
+    if installed not in matrix_data.RELEASES:
+        return None
+    return matrix_data.RELEASES.index(installed), len(matrix_data.RELEASES)
+
+
+def lane_share(cases: list, always: int = 1) -> list:
+    """``cases`` whole, or on a sharing lane its first ``always`` cases plus one of the others,
+    chosen by the release's place in the matrix: over consecutive releases every case runs (each
+    of CI's lanes runs a different one, in turn), and the same lane always runs the same ones."""
+    place = _lane_place()
+    rest = cases[always:]
+    if place is None or not rest:
+        return list(cases)
+    return [*cases[:always], rest[place[0] % len(rest)]]
+
+
+def at_a_patch_edge(patch_id: str) -> bool:
+    """Whether a check that turns on ``patch_id``'s status runs on this lane: everywhere but on a
+    sharing lane, and there on the releases where that status changes (the oldest and newest
+    release the patch applies to, and the first release that fixed it)."""
+    import importlib.metadata
+
+    place = _lane_place()
+    if place is None:
+        return True
+    import matrix_data
+
+    patch = next(p for p in matrix_data.load_patches() if p.id == patch_id)
+    table = matrix_data.matrix()
+    applied = [r for r in matrix_data.RELEASES if table[r][patch.id] == matrix_data.APPLIED]
+    edges = {*applied[:1], *applied[-1:], *([patch.fixed_in] if patch.fixed_in else [])}
+    return importlib.metadata.version("transformers") in edges

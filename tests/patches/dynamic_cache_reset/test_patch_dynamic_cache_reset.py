@@ -146,31 +146,32 @@ def runs():
 
     first = left_padded_batch(FIRST_PROMPT, seed=1)
     seconds = {name: left_padded_batch(lengths, seed=2) for name, lengths in SECOND_PROMPTS.items()}
-    results: dict = {}
-    for kind in MODELS:
-        model = _model(kind)
-        record = results[kind] = {}
-        with overlay.reverted():
-            record["first reference"] = _generate(model, first, _fresh_cache(model))
-            record["second reference"] = {
-                name: _generate(model, batch, _fresh_cache(model)) for name, batch in seconds.items()
-            }
-        for name, batch in seconds.items():
-            record[name] = {}
-            for state in ("stock", "patched"):
-                with overlay.reverted() if state == "stock" else PATCH.applied():
-                    record[name][state] = _reused(model, first, batch)
-        record["never written"] = {}
+    return {kind: _runs_of(_model(kind), first, seconds) for kind in MODELS}
+
+
+def _runs_of(model, first, seconds: dict) -> dict:
+    """One model's record of :func:`runs`."""
+    with overlay.reverted():
+        record = {
+            "first reference": _generate(model, first, _fresh_cache(model)),
+            "second reference": {name: _generate(model, batch, _fresh_cache(model)) for name, batch in seconds.items()},
+        }
+    for name, batch in seconds.items():
+        record[name] = {}
         for state in ("stock", "patched"):
             with overlay.reverted() if state == "stock" else PATCH.applied():
-                cache = _fresh_cache(model)
-                try:
-                    cache.reset()
-                except Exception as exc:  # noqa: BLE001
-                    record["never written"][state] = {"ok": False, "type": type(exc).__name__, "error": str(exc)}
-                else:
-                    record["never written"][state] = _generate(model, seconds["longer"], cache)
-    return results
+                record[name][state] = _reused(model, first, batch)
+    record["never written"] = {}
+    for state in ("stock", "patched"):
+        with overlay.reverted() if state == "stock" else PATCH.applied():
+            cache = _fresh_cache(model)
+            try:
+                cache.reset()
+            except Exception as exc:  # noqa: BLE001
+                record["never written"][state] = {"ok": False, "type": type(exc).__name__, "error": str(exc)}
+            else:
+                record["never written"][state] = _generate(model, seconds["longer"], cache)
+    return record
 
 
 CASES = pytest.mark.parametrize("kind,prompt", [(k, p) for k in MODELS for p in SECOND_PROMPTS])
