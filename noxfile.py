@@ -35,7 +35,6 @@ instead of about 9 GB with every environment kept.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shutil
 import sys
@@ -132,20 +131,16 @@ def _install(session: nox.Session, release: str, *, share_torch: bool, torch: st
     # already installed) 2.13.0 and can never reach for another build (multi-GB CUDA wheels).
     # multidevice (accelerate): loading a model with tensor parallelism needs it.
     left_out = matrix_data.REQUIREMENTS_LEFT_OUT.get(release)
-    # No bytecode at install: compiling every file of transformers costs a lane about 6 s of CPU
-    # (12 s on a busy machine), while the tests import a fraction of them and Python caches what
-    # they import on first use.
-    install = functools.partial(session.install, "--no-compile")
     if left_out:
         # The release without the requirements the index cannot satisfy, then the rest of what it
         # declares (no extras), read from its installed metadata.
-        install(f"torch=={torch}", "-e", f"{REPO}[{extras}]")
-        install("--no-deps", f"transformers=={release}")
+        session.install(f"torch=={torch}", "-e", f"{REPO}[{extras}]")
+        session.install("--no-deps", f"transformers=={release}")
         declared = session.run_install("python", "-c", _DECLARED_REQUIREMENTS, *left_out, silent=True)
-        install(f"torch=={torch}", *declared.splitlines())
+        session.install(f"torch=={torch}", *declared.splitlines())
         session.log(f"transformers {release} without " + "; ".join(f"{n} ({why})" for n, why in left_out.items()))
     else:
-        install(f"torch=={torch}", f"transformers=={release}", "-e", f"{REPO}[{extras}]")
+        session.install(f"torch=={torch}", f"transformers=={release}", "-e", f"{REPO}[{extras}]")
     found = session.run_install(
         "python", "-c",
         "import importlib.metadata as m, torch; "
