@@ -52,7 +52,7 @@ nox.options.reuse_venv = "yes"
 nox.options.tags = ["ci"]
 
 TORCH_REQUIREMENT = f"torch=={matrix_data.TORCH}"
-CI_LANES = frozenset(matrix_data.representative_releases())
+CI_LANES = frozenset(matrix_data.ci_lanes())
 #: What a release lane runs: every test of every patch (the ``patch`` marker, which
 #: tests/conftest.py sets on each module that holds a ``PatchUnderTest``: by patch, not by file
 #: name) and the matrix checks (``lane``). A module skips itself where its patch does not apply.

@@ -161,6 +161,12 @@ def matrix(releases: Iterable[str] = RELEASES, patches: Sequence | None = None) 
     return {release: expected_statuses(release, patches) for release in releases}
 
 
+def ci_lanes(releases: Sequence[str] = RELEASES, patches: Sequence | None = None) -> tuple[str, ...]:
+    """The release lanes CI runs: the representative releases except the whole suite's own
+    (:data:`FULL_SUITE_RELEASE`), where the suite already runs every test a lane selects."""
+    return tuple(r for r in representative_releases(releases, patches) if r != FULL_SUITE_RELEASE)
+
+
 def representative_releases(
     releases: Sequence[str] = RELEASES, patches: Sequence | None = None
 ) -> tuple[str, ...]:

@@ -187,7 +187,7 @@ def render_block(releases: Sequence[str] = matrix_data.RELEASES, patches: Sequen
     """Everything between the markers (without them)."""
     patches = patches if patches is not None else matrix_data.load_patches()
     table = matrix_data.matrix(releases, patches)
-    ci = ", ".join(matrix_data.representative_releases(releases, patches))
+    ci = ", ".join(matrix_data.ci_lanes(releases, patches))
     return "\n".join(
         [
             GENERATED,
@@ -197,7 +197,7 @@ def render_block(releases: Sequence[str] = matrix_data.RELEASES, patches: Sequen
             "and the overlay steps aside; *out of range*: the release is outside the releases the patch was "
             "written for (nothing patched, nothing checked). Each row "
             "is a test lane of its own (`nox -s tf-5.18.0`), all rows: `nox -t matrix`; CI runs the "
-            f"whole suite on {matrix_data.FULL_SUITE_RELEASE} and the lanes {ci}.",
+            f"whole suite on {matrix_data.FULL_SUITE_RELEASE} (every test of every lane included) and the lanes {ci}.",
         ]
     )
 

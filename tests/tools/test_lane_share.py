@@ -45,7 +45,7 @@ def test_everything_runs_where_the_switch_is_unset(monkeypatch):
 
 def test_ci_lanes_share_every_case_and_keep_the_first(monkeypatch):
     ran: set[str] = set()
-    for release in matrix_data.representative_releases():
+    for release in matrix_data.ci_lanes():
         _on_lane(monkeypatch, release)
         share = _kit.lane_share(CASES, always=1)
         assert share[0] == "the reported race" and len(share) == 2
@@ -63,7 +63,7 @@ def test_a_release_the_matrix_does_not_list_runs_everything(monkeypatch):
 def test_a_status_check_runs_on_both_sides_of_its_patch_in_ci(monkeypatch):
     table = matrix_data.matrix()
     sides = set()
-    for release in matrix_data.representative_releases():
+    for release in matrix_data.ci_lanes():
         _on_lane(monkeypatch, release)
         if _kit.at_a_patch_edge("generation-config-precedence"):
             sides.add(table[release]["generation-config-precedence"])
