@@ -3,6 +3,7 @@
     nox                     # what CI runs (tag "ci"): the suite on 5.18.0 + the representative lanes
     nox -t matrix           # every release lane (RELEASES in scripts/matrix_data.py: the full matrix)
     nox -s neuron-stack     # the Neuron stack's torch 2.8.0 + transformers 4.57.6 (large download)
+    nox -s openvino         # optimum-intel 2.2.0 (OpenVINO) on transformers 4.57.6: tests/stacks/ (tag "stacks")
     nox -s newest           # maintainers: the newest transformers on the index, what each patch meets there
     nox -t pythons          # the torch-free tests on CPython 3.10 ... 3.13 (each must be on PATH;
                             # pyenv: PYENV_VERSION=3.11.7:3.10.13:3.12.1:3.13.0 nox -t pythons)
@@ -222,6 +223,29 @@ def neuron_stack(session: nox.Session) -> None:
     release, torch = matrix_data.NEURON_STACK
     _install(session, release, share_torch=False, torch=torch)
     session.run("python", "-m", "pytest", "-ra", "--durations=10", *LANE_SELECTION, *session.posargs, env=TEST_ENV)
+
+
+#: The OpenVINO stack (docs/stacks.md): optimum-intel's release, the transformers release its lane runs.
+OPENVINO_STACK = ("2.2.0", "4.57.6")
+
+
+@nox.session(tags=["stacks"])
+def openvino(session: nox.Session) -> None:
+    """optimum-intel 2.2.0 with OpenVINO on transformers 4.57.6 and the shared torch 2.13.0:
+    tests/stacks/test_openvino.py exports tiny random models to OpenVINO and checks what
+    docs/stacks.md says of that stack. Not in CI: openvino, nncf and optimum make the environment
+    about 700 MB (with transformers; torch is the shared one)."""
+    optimum_intel, release = OPENVINO_STACK
+    with _environment_dropped_after(session):
+        _install(session, release, share_torch=True)
+        if session.run_install("python", "-c", "print('installing')", silent=True) is not None:
+            # torch and transformers named again: pip keeps them and resolves the rest around them.
+            session.install(TORCH_REQUIREMENT, f"transformers=={release}", f"optimum-intel[openvino]=={optimum_intel}")
+            # The torchvision it pulls in does not load beside the CPU torch 2.13.0 (issue 41);
+            # nothing here needs it: removed.
+            session.run_install("python", "-m", "pip", "uninstall", "-y", "torchvision")
+        session.run("python", "-m", "pytest", "-ra", "--durations=10", "tests/stacks/test_openvino.py", *session.posargs,
+                    env=TEST_ENV)
 
 
 @nox.session(tags=["maintainers"])
