@@ -1,9 +1,13 @@
 // A second torch device backed by host memory (see overlay/testing/fake_device.py).
 //
 // torch's PrivateUse1 backend gets:
-//   * an allocator that hands out ordinary host memory but tags it with the
-//     PrivateUse1 device, so tensors report `<name>:0` and `is_cpu == False`;
-//   * a device guard and accelerator hooks for a single device, index 0;
+//   * a device allocator (c10::DeviceAllocator where torch has it, 2.9+) that
+//     hands out ordinary host memory but tags it with a PrivateUse1 device, so
+//     tensors report `<name>:<index>` and `is_cpu == False`; it counts the
+//     bytes each device holds (now, peak, in total) for torch.accelerator's
+//     memory statistics, and caches nothing (empty_cache has nothing to free);
+//   * a device guard and accelerator hooks for `device_count` devices (1 by
+//     default; configure() below), with a current device per thread;
 //   * native kernels for the operations that must keep aliasing or cross the
 //     device boundary (empty, copies between devices, views, set_, resize_);
 //   * a boxed fallback for every other operator: it first checks that all
@@ -13,7 +17,9 @@
 //     at::native::cpu_fallback, so results equal the CPU results bit for bit.
 //
 // The library has no Python bindings: loading it with torch.ops.load_library
-// registers everything through static initialisers.
+// registers everything through static initialisers, and one operator,
+// torch.ops.attn_overlay_fake_device.configure(device_count, memory_per_device),
+// sets the number of devices and their memory before the first tensor exists.
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
@@ -37,28 +43,155 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <utility>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+
+// c10::DeviceAllocator (what torch.accelerator's memory functions require of a
+// device's allocator) arrived in torch 2.9.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9)
+#define FAKE_DEVICE_HAS_DEVICE_ALLOCATOR 1
+#include <c10/core/CachingDeviceAllocator.h>
+#endif
 
 namespace {
 
 constexpr c10::DeviceType kFakeType = c10::DeviceType::PrivateUse1;
-const c10::Device kFakeDevice(kFakeType, 0);
 constexpr c10::DispatchKeySet kFakeKeys(c10::DispatchKey::PrivateUse1);
+// The most devices configure() accepts.
+constexpr int kMaxDevices = 16;
+
+// Set once by configure(), before the first tensor is made.
+int device_count = 1;
+int64_t memory_per_device = 0;  // bytes; 0: the host's memory, no limit
+// The current device of this thread, as CUDA keeps one per thread.
+thread_local c10::DeviceIndex current_device = 0;
+
+c10::Device fake_device(c10::DeviceIndex index) {
+  return c10::Device(kFakeType, index);
+}
+
+void check_index(c10::DeviceIndex index) {
+  TORCH_CHECK(index >= 0 && index < device_count, "Invalid device index ", static_cast<int>(index),
+              ": the fake device has ", device_count, device_count == 1 ? " device" : " devices",
+              " (valid indices 0..", device_count - 1, "; install_fake_device(device_count=...) sets how many)");
+}
 
 // ---------------------------------------------------------------- allocator
 
+uint64_t host_bytes(bool available) {
+#if defined(_SC_PAGESIZE) && defined(_SC_PHYS_PAGES)
+  const long page = sysconf(_SC_PAGESIZE);
+#if defined(_SC_AVPHYS_PAGES)
+  const long pages = sysconf(available ? _SC_AVPHYS_PAGES : _SC_PHYS_PAGES);
+#else
+  const long pages = sysconf(_SC_PHYS_PAGES);
+#endif
+  if (page > 0 && pages > 0) {
+    return static_cast<uint64_t>(page) * static_cast<uint64_t>(pages);
+  }
+#endif
+  return 0;
+}
+
+// What c10's allocator Stat counts, kept here so that the library builds on
+// torch releases that place (or lack) that struct elsewhere.
+struct Counter {
+  int64_t current = 0;
+  int64_t peak = 0;
+  int64_t allocated = 0;
+  int64_t freed = 0;
+  void increase(size_t amount) {
+    current += static_cast<int64_t>(amount);
+    peak = std::max(peak, current);
+    allocated += static_cast<int64_t>(amount);
+  }
+  void decrease(size_t amount) {
+    current -= static_cast<int64_t>(amount);
+    freed += static_cast<int64_t>(amount);
+  }
+  void reset_peak() {
+    peak = current;
+  }
+  void reset_accumulated() {
+    allocated = 0;
+    freed = 0;
+  }
+};
+
+struct Counts {
+  Counter bytes;        // bytes held by live allocations
+  Counter allocations;  // live allocations
+};
+
+std::mutex stats_mutex;
+std::array<Counts, kMaxDevices> counts;
+// Every live block: its size and device (for the deleter and getDeviceFromPtr).
+std::unordered_map<void*, std::pair<size_t, c10::DeviceIndex>> blocks;
+
 void free_host(void* ptr) {
+  if (ptr == nullptr) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    auto found = blocks.find(ptr);
+    if (found != blocks.end()) {
+      Counts& device_counts = counts[found->second.second];
+      device_counts.bytes.decrease(found->second.first);
+      device_counts.allocations.decrease(1);
+      blocks.erase(found);
+    }
+  }
   c10::free_cpu(ptr);
 }
 
-struct HostMemoryAllocator final : public c10::Allocator {
+std::optional<c10::DeviceIndex> device_of(void* ptr) {
+  std::lock_guard<std::mutex> lock(stats_mutex);
+  auto found = blocks.find(ptr);
+  if (found == blocks.end()) {
+    return std::nullopt;
+  }
+  return found->second.second;
+}
+
+#ifdef FAKE_DEVICE_HAS_DEVICE_ALLOCATOR
+using AllocatorBase = c10::DeviceAllocator;
+#else
+using AllocatorBase = c10::Allocator;
+#endif
+
+struct HostMemoryAllocator final : public AllocatorBase {
+  // On the current device of the calling thread (kernels set it from their
+  // device argument with a device guard, as CUDA's do).
   c10::DataPtr allocate(size_t nbytes) override {
-    void* data = nbytes == 0 ? nullptr : c10::alloc_cpu(nbytes);
-    return {data, data, &free_host, kFakeDevice};
+    const c10::DeviceIndex index = current_device;
+    check_index(index);
+    if (nbytes == 0) {
+      return {nullptr, nullptr, &free_host, fake_device(index)};
+    }
+    void* data = c10::alloc_cpu(nbytes);
+    {
+      std::lock_guard<std::mutex> lock(stats_mutex);
+      blocks[data] = {nbytes, index};
+      counts[index].bytes.increase(nbytes);
+      counts[index].allocations.increase(1);
+    }
+    return {data, data, &free_host, fake_device(index)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
     return &free_host;
@@ -66,41 +199,126 @@ struct HostMemoryAllocator final : public c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
+
+#ifdef FAKE_DEVICE_HAS_DEVICE_ALLOCATOR
+  bool initialized() override {
+    return true;
+  }
+  // Nothing is cached: memory goes back to the host as soon as a tensor dies.
+  void emptyCache(c10::MempoolId_t /*mempool_id*/) override {}
+  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {}
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    check_index(device);
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    const Counts& device_counts = counts[device];
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    auto stat = [](const Counter& counter) {
+      c10::CachingAllocator::Stat result;
+      result.current = counter.current;
+      result.peak = counter.peak;
+      result.allocated = counter.allocated;
+      result.freed = counter.freed;
+      return result;
+    };
+    // No caching and no splitting: every live block is one segment, allocated,
+    // active and reserved at once, of exactly the requested size.
+    for (auto* array : {&stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes, &stats.requested_bytes}) {
+      (*array)[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)] = stat(device_counts.bytes);
+      (*array)[static_cast<size_t>(c10::CachingAllocator::StatType::LARGE_POOL)] = stat(device_counts.bytes);
+    }
+    for (auto* array : {&stats.allocation, &stats.segment, &stats.active}) {
+      (*array)[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)] = stat(device_counts.allocations);
+      (*array)[static_cast<size_t>(c10::CachingAllocator::StatType::LARGE_POOL)] = stat(device_counts.allocations);
+    }
+    stats.num_device_alloc = device_counts.allocations.allocated;
+    stats.num_device_free = device_counts.allocations.freed;
+    return stats;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    check_index(device);
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    counts[device].bytes.reset_accumulated();
+    counts[device].allocations.reset_accumulated();
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    check_index(device);
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    counts[device].bytes.reset_peak();
+    counts[device].allocations.reset_peak();
+  }
+  // (free, total) bytes: with a memory_per_device, that capacity less what the
+  // device holds; else the host's available and physical memory. Allocations
+  // beyond the capacity are not refused: without a cache, transformers' warm-up
+  // block and the weights would hold twice the memory a caching GPU allocator
+  // needs, and refusing would fail loads that fit on a real device.
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    check_index(device);
+    if (memory_per_device > 0) {
+      std::lock_guard<std::mutex> lock(stats_mutex);
+      const int64_t held = counts[device].bytes.current;
+      const int64_t free_bytes = held >= memory_per_device ? 0 : memory_per_device - held;
+      return {static_cast<size_t>(free_bytes), static_cast<size_t>(memory_per_device)};
+    }
+    return {static_cast<size_t>(host_bytes(true)), static_cast<size_t>(host_bytes(false))};
+  }
+#endif
 };
 
 HostMemoryAllocator host_memory_allocator;
 REGISTER_ALLOCATOR(kFakeType, &host_memory_allocator)
 
-// ------------------------------------------------------ guard and hooks
-// One device, index 0. The no-op guard of torch reports index -1, which
-// would make tensors created without an explicit index print as `<name>`
-// instead of `<name>:0`; this one always reports index 0. It implements the
-// interface itself rather than deriving from torch's NoOpDeviceGuardImpl,
-// which is `final` in some releases (torch 2.8, the Neuron stack's).
+void configure(int64_t count, int64_t memory) {
+  TORCH_CHECK(count >= 1 && count <= kMaxDevices, "device_count must be 1..", kMaxDevices, ", got ", count);
+  TORCH_CHECK(memory >= 0, "memory_per_device must be >= 0, got ", memory);
+  {
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    TORCH_CHECK(blocks.empty() || (count == device_count && memory == memory_per_device),
+                "the fake device is in use: configure it before the first tensor is made");
+  }
+  device_count = static_cast<int>(count);
+  memory_per_device = memory;
+}
 
-struct SingleDeviceGuard final : public c10::impl::DeviceGuardImplInterface {
+// ------------------------------------------------------ guard and hooks
+// `device_count` devices with a current device per thread. Tensors created
+// without an explicit index land on the current device (index 0 unless set),
+// so they print as `<name>:0`, not `<name>`. It implements the interface
+// itself rather than deriving from torch's NoOpDeviceGuardImpl, which is
+// `final` in some releases (torch 2.8, the Neuron stack's).
+
+struct FakeDeviceGuard final : public c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override {
     return kFakeType;
   }
-  void setDevice(c10::Device /*unused*/) const override {}
-  void uncheckedSetDevice(c10::Device /*unused*/) const noexcept override {}
-  c10::DeviceIndex deviceCount() const noexcept override {
-    return 1;
+  void setDevice(c10::Device device) const override {
+    check_index(device.index());
+    current_device = device.index();
   }
-  c10::Device exchangeDevice(c10::Device /*unused*/) const override {
-    return kFakeDevice;
+  void uncheckedSetDevice(c10::Device device) const noexcept override {
+    if (device.index() >= 0 && device.index() < device_count) {
+      current_device = device.index();
+    }
+  }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return static_cast<c10::DeviceIndex>(device_count);
+  }
+  c10::Device exchangeDevice(c10::Device device) const override {
+    const c10::Device previous = fake_device(current_device);
+    setDevice(device);
+    return previous;
   }
   c10::Device getDevice() const override {
-    return kFakeDevice;
+    return fake_device(current_device);
   }
-  c10::Stream getStream(c10::Device /*unused*/) const noexcept override {
-    return c10::Stream(c10::Stream::DEFAULT, kFakeDevice);
+  c10::Stream getStream(c10::Device device) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, device);
   }
-  c10::Stream getNewStream(c10::Device /*unused*/, int /*priority*/ = 0) const override {
-    return c10::Stream(c10::Stream::DEFAULT, kFakeDevice);
+  c10::Stream getNewStream(c10::Device device, int /*priority*/ = 0) const override {
+    return c10::Stream(c10::Stream::DEFAULT, device);
   }
-  c10::Stream exchangeStream(c10::Stream /*unused*/) const noexcept override {
-    return c10::Stream(c10::Stream::DEFAULT, kFakeDevice);
+  c10::Stream exchangeStream(c10::Stream stream) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, stream.device());
   }
   // Work is synchronous: events and streams are trivially complete.
   void record(void** /*event*/, const c10::Stream& /*stream*/, const c10::DeviceIndex /*device_index*/,
@@ -112,9 +330,9 @@ struct SingleDeviceGuard final : public c10::impl::DeviceGuardImplInterface {
   void synchronizeDevice(const c10::DeviceIndex /*device_index*/) const override {}
 };
 
-C10_REGISTER_GUARD_IMPL(PrivateUse1, SingleDeviceGuard);
+C10_REGISTER_GUARD_IMPL(PrivateUse1, FakeDeviceGuard);
 
-struct SingleDeviceHooks final : public at::PrivateUse1HooksInterface {
+struct FakeDeviceHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override {
     return true;
   }
@@ -126,43 +344,54 @@ struct SingleDeviceHooks final : public at::PrivateUse1HooksInterface {
   }
   void init() const override {}
   c10::DeviceIndex deviceCount() const override {
-    return 1;
+    return static_cast<c10::DeviceIndex>(device_count);
   }
-  void setCurrentDevice(c10::DeviceIndex /*device*/) const override {}
+  void setCurrentDevice(c10::DeviceIndex device) const override {
+    check_index(device);
+    current_device = device;
+  }
   c10::DeviceIndex getCurrentDevice() const override {
-    return 0;
+    return current_device;
   }
-  c10::DeviceIndex exchangeDevice(c10::DeviceIndex /*device*/) const override {
-    return 0;
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex device) const override {
+    const c10::DeviceIndex previous = current_device;
+    setCurrentDevice(device);
+    return previous;
   }
-  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex /*device*/) const override {
-    return 0;
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex device) const override {
+    return exchangeDevice(device);
   }
-  at::Device getDeviceFromPtr(void* /*data*/) const override {
-    return kFakeDevice;
+  at::Device getDeviceFromPtr(void* data) const override {
+    return fake_device(device_of(data).value_or(current_device));
   }
   // Random numbers are drawn on the host by the CPU kernels (see the
-  // fallback), so the device shares the CPU generator: seeding with
+  // fallback), so every device shares the CPU generator: seeding with
   // torch.manual_seed gives the same numbers as on CPU.
   const at::Generator& getDefaultGenerator(c10::DeviceIndex /*device_index*/) const override {
     return at::detail::getDefaultCPUGenerator();
   }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    // The new block belongs to the storage's device, not the current one.
+    c10::OptionalDeviceGuard guard(storage.device());
     at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
   }
 };
 
 const bool hooks_registered = [] {
-  at::RegisterPrivateUse1HooksInterface(new SingleDeviceHooks());
+  at::RegisterPrivateUse1HooksInterface(new FakeDeviceHooks());
   return true;
 }();
 
 // ----------------------------------------------------------- device checks
 
-void check_single_device_index(std::optional<c10::Device> device) {
+// The device a factory kernel allocates on: its argument's index, else the
+// current device (as on CUDA).
+c10::Device target_device(std::optional<c10::Device> device) {
   if (device.has_value() && device->has_index()) {
-    TORCH_CHECK(device->index() == 0, "the fake device has a single device, index 0; got ", *device);
+    check_index(device->index());
+    return *device;
   }
+  return fake_device(current_device);
 }
 
 // Operators that accept index tensors on the host next to a device tensor on
@@ -257,7 +486,7 @@ at::Tensor host_view(const at::Tensor& tensor) {
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
                                std::optional<at::Layout> layout, std::optional<at::Device> device,
                                std::optional<bool> pin_memory, std::optional<at::MemoryFormat> memory_format) {
-  check_single_device_index(device);
+  c10::DeviceGuard guard(target_device(device));
   return at::detail::empty_generic(size, &host_memory_allocator, kFakeKeys, c10::dtype_or_default(dtype),
                                    memory_format);
 }
@@ -265,7 +494,7 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarTy
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
                          std::optional<at::Layout> layout, std::optional<at::Device> device,
                          std::optional<bool> pin_memory) {
-  check_single_device_index(device);
+  c10::DeviceGuard guard(target_device(device));
   return at::detail::empty_strided_generic(size, stride, &host_memory_allocator, kFakeKeys,
                                            c10::dtype_or_default(dtype));
 }
@@ -352,6 +581,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", at::native::set_tensor_);
   m.impl("set_", set_empty_);
   m.impl("resize_", at::native::resize_);
+}
+
+TORCH_LIBRARY(attn_overlay_fake_device, m) {
+  m.def("configure(int device_count, int memory_per_device) -> ()", &configure);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

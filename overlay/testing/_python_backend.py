@@ -8,7 +8,9 @@ device, runs the CPU kernel on the held tensors and wraps the results again; fac
 called with ``device=<fake>`` reach a Python fallback on the PrivateUse1 key that does the same.
 
 Limits (see the documentation of overlay.testing.fake_device): device tensors are instances of
-a ``torch.Tensor`` subclass without ``data_ptr()`` or storage, and every op costs a Python call.
+a ``torch.Tensor`` subclass without ``data_ptr()`` or storage, every op costs a Python call, and
+there is no device allocator (torch takes one only from C++): torch.accelerator's memory
+functions are replaced by ones that say so, except ``empty_cache``, which has nothing to free.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ _HOST_INDICES_OK = frozenset(
 )
 
 
-def install(name: str, device_module: Any) -> None:
+def install(name: str, device_module: Any, device_count: int = 1) -> None:
     import torch
     from torch.utils._pytree import tree_map
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -36,6 +38,17 @@ def install(name: str, device_module: Any) -> None:
     _setup_privateuseone_for_python_backend(rename=name, backend_module=device_module)
     fake = torch.device(name, 0)
     cpu = torch.device("cpu")
+
+    def fake_device(requested: torch.device) -> torch.device:
+        """``requested`` (a device of this type) with its index, checked against the count."""
+        index = 0 if requested.index is None else requested.index
+        if not 0 <= index < device_count:
+            raise RuntimeError(
+                f"Invalid device index {index}: the fake device has {device_count} "
+                f"device{'s' if device_count != 1 else ''} (valid indices 0..{device_count - 1}; "
+                f"install_fake_device(device_count=...) sets how many)"
+            )
+        return fake if index == 0 else torch.device(name, index)
     _TENSOR_DATA = torch._C.TensorBase.__dict__["data"]  # torch's own getter and setter
 
     def is_fake(device: Any) -> bool:
@@ -51,7 +64,12 @@ def install(name: str, device_module: Any) -> None:
         _host: torch.Tensor
 
         @staticmethod
-        def __new__(cls, host: torch.Tensor) -> HostBackedTensor:
+        def __new__(cls, host: torch.Tensor, device: torch.device = fake, requires_grad: bool | None = None) -> Any:
+            if requires_grad is not None:
+                # Called as the class of a parameter: a parameter on the fake device is an instance
+                # of this class (torch.nn.Parameter marks custom tensors instead of subclassing
+                # them), and accelerate rebuilds parameters with type(param)(data, requires_grad=..).
+                return torch.nn.Parameter(host, requires_grad=requires_grad)
             wrapper = torch.Tensor._make_wrapper_subclass(
                 cls,
                 host.size(),
@@ -59,7 +77,7 @@ def install(name: str, device_module: Any) -> None:
                 storage_offset=host.storage_offset(),
                 dtype=host.dtype,
                 layout=host.layout,
-                device=fake,
+                device=device,
                 requires_grad=host.requires_grad,
             )
             wrapper._host = host
@@ -103,7 +121,7 @@ def install(name: str, device_module: Any) -> None:
             return value._host
         return to_host_device(value)
 
-    def check_common_device(func: Any, args: tuple, kwargs: dict) -> None:
+    def check_common_device(func: Any, args: tuple, kwargs: dict) -> torch.device | None:
         """Same rule as real accelerators (and the C++ backend): every tensor argument on one
         device, except zero-dimensional CPU tensors and, for advanced indexing, CPU indices."""
         op_name = func._schema.name.split("::")[-1]
@@ -131,11 +149,11 @@ def install(name: str, device_module: Any) -> None:
                         f"{common} and {device}! (when checking argument for argument {argument.name} "
                         f"in method {func._schema.name})"
                     )
+        return common
 
     def _run_on_host(func: Any, args: tuple, kwargs: dict, factory: bool = False) -> Any:
         op_name = func._schema.name.split("::")[-1]
-        if op_name not in _CROSS_DEVICE:
-            check_common_device(func, args, kwargs)
+        common = None if op_name in _CROSS_DEVICE else check_common_device(func, args, kwargs)
         inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         for value in (*args, *kwargs.values()):
             if isinstance(value, (list, tuple)):
@@ -144,10 +162,15 @@ def install(name: str, device_module: Any) -> None:
         # New results belong to the fake device, unless the op was asked for a result elsewhere
         # (e.g. _to_copy(device="cpu") for .to("cpu")).
         requested = kwargs.get("device")
+        target = common if common is not None and common.type == name else None
         if requested is not None:
             requested = torch.device(requested)
-            if requested.type == name and requested.index not in (None, 0):
-                raise RuntimeError(f"the fake device has a single device, index 0; got {requested}")
+            if requested.type == name:
+                target = fake_device(requested)
+        if target is None:
+            # No fake-device argument decided it (e.g. copy_ from a CPU tensor into a device
+            # tensor, whose result is the passed-in wrapper anyway): the first wrapper's device.
+            target = wrappers[0].device if wrappers else fake
         to_fake = factory or requested is None or requested.type == name
         host_args = tree_map(unwrap, args)
         host_kwargs = tree_map(unwrap, kwargs)
@@ -162,7 +185,7 @@ def install(name: str, device_module: Any) -> None:
                 # The op resized or restrided its argument in place (resize_, unsqueeze_, an out=
                 # argument of the wrong size...): give the wrapper the new metadata. Assigning
                 # .data keeps the very object the caller holds.
-                replacement = HostBackedTensor(host)
+                replacement = HostBackedTensor(host, wrapper.device)
                 with torch._C._DisableTorchDispatch():
                     wrapper.data = replacement
                 wrapper._host = host
@@ -175,7 +198,7 @@ def install(name: str, device_module: Any) -> None:
                 if id(value) in passed_in:
                     return passed_in[id(value)]
                 if to_fake and value.device.type == "cpu":
-                    return HostBackedTensor(value)
+                    return HostBackedTensor(value, target)
             return value
 
         return tree_map(wrap, result)
@@ -221,3 +244,60 @@ def install(name: str, device_module: Any) -> None:
 
     aten.impl("scaled_dot_product_attention", sdpa_autograd, "AutogradPrivateUse1")
     device_module.HostBackedTensor = HostBackedTensor
+
+
+# torch.accelerator's memory functions that need a C++ device allocator (torch asserts
+# internally without one: "Allocator for <name> is not a DeviceAllocator").
+_ALLOCATOR_FUNCTIONS = (
+    "memory_stats",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
+    "get_memory_info",
+)
+
+
+def install_accelerator_memory_functions(name: str) -> None:
+    """Give ``torch.accelerator`` memory functions that work, or fail clearly, for this device.
+
+    ``empty_cache`` becomes a no-op while the fake device is the accelerator (its tensors hold
+    ordinary CPU tensors: nothing is cached), so ``accelerate``'s cache clearing works; the
+    statistics raise :class:`RuntimeError` naming the limit instead of torch's internal assert.
+    """
+    import torch
+
+    accelerator = torch.accelerator
+
+    def is_fake() -> bool:
+        current = accelerator.current_accelerator()
+        return current is not None and current.type == name
+
+    def empty_cache(original: Any = accelerator.empty_cache) -> None:
+        if not is_fake():
+            original()
+
+    empty_cache.__doc__ = accelerator.empty_cache.__doc__
+    accelerator.empty_cache = empty_cache
+
+    def unsupported(function_name: str) -> Any:
+        original = getattr(accelerator, function_name)
+
+        def function(*args: Any, **kwargs: Any) -> Any:
+            if not is_fake():
+                return original(*args, **kwargs)
+            raise RuntimeError(
+                f"torch.accelerator.{function_name}: the python fake device {name!r} has no device "
+                f"allocator, so no memory statistics (torch takes a device allocator only from C++); "
+                f"install_fake_device(backend='cpp') has them"
+            )
+
+        function.__name__ = function_name
+        function.__doc__ = original.__doc__
+        return function
+
+    for function_name in _ALLOCATOR_FUNCTIONS:
+        if hasattr(accelerator, function_name):
+            setattr(accelerator, function_name, unsupported(function_name))

@@ -249,8 +249,9 @@ def test_cpu_scalars_mix_with_device_tensors_as_on_real_accelerators(report: dic
     assert report["placement"]["cpu_scalar_operand_device"] == "fakeaccel:0"
 
 
-def test_there_is_a_single_device(report: dict) -> None:
-    assert "single device, index 0" in report["placement"]["second_index_error"]
+def test_there_is_a_single_device_by_default(report: dict) -> None:
+    message = report["placement"]["second_index_error"]
+    assert message is not None and "Invalid device index 1" in message and "has 1 device" in message, message
 
 
 @pytest.mark.parametrize("op", ["add", "matmul", "cat", "embedding", "sdpa_cpu_mask", "where"])
@@ -452,3 +453,339 @@ def test_invalid_arguments_are_rejected_before_touching_torch() -> None:
         fake_device.install_fake_device(backend="cuda")
     with pytest.raises(ValueError, match="device name"):
         fake_device.install_fake_device("Fake:0")
+
+
+# ---------------------------------------------------------------- allocator, devices, accelerate
+
+# Two devices; the device allocator's numbers; accelerate. argv: backend. Prints one report.
+ACCELERATE_BATTERY = r"""
+import json, sys, tempfile
+import torch
+torch.set_num_threads(1)
+from overlay.testing.fake_device import install_fake_device, fake_device_backend, safetensors_via_host
+
+backend = sys.argv[1]
+CAPACITY = 200_000  # bytes per device: the tiny model (about 0.36 MB) does not fit on one
+extra = {"memory_per_device": CAPACITY} if backend == "cpp" else {}
+d0 = install_fake_device("fakeaccel", backend, device_count=2, **extra)
+d1 = torch.device("fakeaccel:1")
+A = torch.accelerator
+report = {"backend": fake_device_backend(), "device_count": A.device_count(), "module_count": torch.fakeaccel.device_count()}
+
+
+def error_of(fn):
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+report["empty_cache_error"] = error_of(A.empty_cache)
+report["accelerate_clear_error"] = error_of(lambda: __import__("accelerate.utils.memory").utils.memory.clear_device_cache())
+
+memory = {}
+if backend == "cpp":
+    before = A.memory_allocated(0)
+    x = torch.empty(1024, dtype=torch.float32, device=d0)
+    memory["rise"] = A.memory_allocated(0) - before
+    memory["stats_current_equal"] = A.memory_stats(0)["allocated_bytes.all.current"] == A.memory_allocated(0)
+    memory["module_equal"] = torch.fakeaccel.memory_allocated(0) == A.memory_allocated(0)
+    memory["info"] = list(A.get_memory_info(0))
+    memory["mem_get_info"] = list(torch.fakeaccel.mem_get_info(0))
+    memory["expected_free"] = CAPACITY - A.memory_allocated(0)
+    device1_before = A.memory_allocated(1)
+    y = torch.empty(256, dtype=torch.float32, device=d1)
+    memory["device1_rise"] = A.memory_allocated(1) - device1_before
+    memory["device0_unchanged_by_device1"] = A.memory_allocated(0) - before == 4096
+    peak = A.max_memory_allocated(0)
+    del x
+    memory["fall"] = before - A.memory_allocated(0) + 4096
+    memory["peak_kept_after_free"] = A.max_memory_allocated(0) == peak and peak >= before + 4096
+    A.reset_peak_memory_stats(0)
+    memory["peak_after_reset"] = A.max_memory_allocated(0) - A.memory_allocated(0)
+    memory["reserved_equals_allocated"] = A.memory_reserved(1) == A.memory_allocated(1)
+    del y
+else:
+    memory["allocated_error"] = error_of(lambda: A.memory_allocated(0))
+    memory["stats_error"] = error_of(lambda: A.memory_stats(0))
+    memory["info_error"] = error_of(lambda: A.get_memory_info(0))
+    memory["set_device_error"] = error_of(lambda: torch.fakeaccel.set_device(1))
+report["memory"] = memory
+
+a = torch.arange(6.0).reshape(2, 3)
+on0, on1 = a.to(d0), a.to(d1)
+report["devices"] = {
+    "on1": str(on1.device),
+    "on1_result": str((on1 * 2 + 1).device),
+    "on1_matmul": str((on1 @ on1.T).device),
+    "copy_1_to_0": str(on1.to(d0).device),
+    "copy_equal": torch.equal(on1.to(d0).cpu(), a),
+    "mix_add": error_of(lambda: on0 + on1),
+    "mix_cat": error_of(lambda: torch.cat([on0, on1])),
+    "index_2": error_of(lambda: torch.empty(1, device="fakeaccel:2")),
+}
+if backend == "cpp":
+    with torch.fakeaccel.device(1):
+        report["devices"]["current_in_context"] = [A.current_device_index(), str(torch.empty(1, device="fakeaccel").device)]
+    report["devices"]["current_after"] = A.current_device_index()
+
+import accelerate
+import transformers
+from overlay.testing.models import save_tiny_model, tiny_model
+
+input_ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+attention_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+kwargs = dict(max_new_tokens=5, do_sample=False, disable_compile=True)
+
+
+def generate(model, device):
+    return model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs).cpu().tolist()
+
+
+expected = tiny_model("llama").generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs).tolist()
+report["expected"] = expected
+offloaded = tiny_model("llama")
+accelerate.cpu_offload(offloaded, execution_device=d0)
+report["cpu_offload"] = generate(offloaded, d0)
+dispatched = tiny_model("llama")
+device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+              "model.rotary_emb": 1, "lm_head": 1}
+accelerate.dispatch_model(dispatched, device_map=device_map)
+report["dispatch_devices"] = sorted({str(p.device) for p in dispatched.parameters()})
+report["dispatch_layer1"] = str(dispatched.model.layers[1].self_attn.q_proj.weight.device)
+report["dispatch"] = generate(dispatched, d0)
+
+path = save_tiny_model(tempfile.mkdtemp(), "llama")
+mixed_map = {"model.embed_tokens": 0, "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": 1,
+             "model.rotary_emb": 1, "lm_head": 1}
+loaded = transformers.AutoModelForCausalLM.from_pretrained(path, device_map=mixed_map, offload_folder=tempfile.mkdtemp())
+report["cpu_disk_map"] = generate(loaded, d0)
+# transformers 4.x opens the checkpoint on the target device, which safetensors refuses: the hook.
+import contextlib
+hook = safetensors_via_host() if int(transformers.__version__.split(".")[0]) < 5 else contextlib.nullcontext()
+with hook:
+    whole = transformers.AutoModelForCausalLM.from_pretrained(path, device_map={"": "fakeaccel:0"})
+report["whole_devices"] = sorted({str(p.device) for p in whole.parameters()})
+report["whole"] = generate(whole, d0)
+if backend == "cpp":
+    # The capacity each device reports, less what it holds, decides where accelerate puts the
+    # layers: free the models above first (a model on a device would leave it no room).
+    del offloaded, dispatched, loaded, whole
+    __import__("gc").collect()
+    report["held_before_auto"] = [A.memory_allocated(0), A.memory_allocated(1)]
+    auto = transformers.AutoModelForCausalLM.from_pretrained(path, device_map="auto")
+    report["auto_map"] = sorted({str(v) for v in getattr(auto, "hf_device_map", {"": "one device"}).values()})
+    report["auto"] = generate(auto, d0)
+
+import safetensors
+shard = next(__import__("pathlib").Path(path).glob("*.safetensors"))
+report["safe_open_error"] = None
+try:
+    safetensors.safe_open(str(shard), framework="pt", device="fakeaccel:0")
+except Exception as exc:
+    report["safe_open_error"] = str(exc)
+with safetensors_via_host():
+    with safetensors.safe_open(str(shard), framework="pt", device="fakeaccel:0") as handle:
+        report["safe_open_via_host"] = str(handle.get_tensor(next(iter(handle.keys()))).device)
+    report["patched_inside"] = transformers.modeling_utils.__dict__.get("safe_open") is not None and getattr(transformers.modeling_utils.__dict__.get("safe_open"), "_attn_overlay_fake_device", False)
+report["restored"] = safetensors.safe_open is transformers.modeling_utils.__dict__.get("safe_open", safetensors.safe_open)
+print("RESULT " + json.dumps(report))
+"""
+
+_accelerate_reports: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module", params=["cpp", "python"])
+def accel(request: pytest.FixtureRequest, cpp_available: bool) -> dict:
+    if request.param == "cpp" and not cpp_available:
+        pytest.skip("no C++ compiler/ninja and no cached build: the cpp fake device cannot be built here")
+    pytest.importorskip("accelerate")
+    if request.param not in _accelerate_reports:
+        _accelerate_reports[request.param] = result_of(
+            run_python(ACCELERATE_BATTERY, request.param, timeout=BUILD_TIMEOUT_S)
+        )
+    return _accelerate_reports[request.param]
+
+
+def test_empty_cache_works_as_accelerate_calls_it(accel: dict) -> None:
+    assert accel["empty_cache_error"] is None
+    assert accel["accelerate_clear_error"] is None
+
+
+def test_cpp_memory_counts_follow_allocations(accel: dict) -> None:
+    if accel["backend"] != "cpp":
+        pytest.skip("the python backend has no device allocator (see the next test)")
+    memory = accel["memory"]
+    assert memory["rise"] == 4096  # 1024 float32 allocated on fakeaccel:0
+    assert memory["fall"] == 4096  # and released with the tensor
+    assert memory["device1_rise"] == 1024 and memory["device0_unchanged_by_device1"] is True
+    assert memory["peak_kept_after_free"] is True
+    assert memory["peak_after_reset"] == 0
+    assert memory["stats_current_equal"] is True and memory["module_equal"] is True
+    assert memory["reserved_equals_allocated"] is True
+    assert memory["info"] == [memory["expected_free"], 200_000]
+    assert memory["mem_get_info"] == memory["info"]
+
+
+def test_python_backend_memory_statistics_fail_clearly(accel: dict) -> None:
+    if accel["backend"] != "python":
+        pytest.skip("the cpp backend has the statistics")
+    memory = accel["memory"]
+    for key in ("allocated_error", "stats_error", "info_error"):
+        assert memory[key] is not None and "no device allocator" in memory[key], memory[key]
+        assert "INTERNAL ASSERT" not in memory[key]
+    assert "backend='cpp'" in memory["set_device_error"]
+
+
+def test_two_devices_exist_and_do_not_mix(accel: dict) -> None:
+    assert accel["device_count"] == accel["module_count"] == 2
+    devices = accel["devices"]
+    assert devices["on1"] == devices["on1_result"] == devices["on1_matmul"] == "fakeaccel:1"
+    assert devices["copy_1_to_0"] == "fakeaccel:0" and devices["copy_equal"] is True
+    for key in ("mix_add", "mix_cat"):
+        expected = "Expected all tensors to be on the same device, but found at least two devices, fakeaccel:0 and fakeaccel:1!"
+        assert devices[key] is not None and devices[key].startswith(expected), devices[key]
+    assert devices["index_2"] is not None and "Invalid device index 2" in devices["index_2"]
+    if accel["backend"] == "cpp":
+        assert devices["current_in_context"] == [1, "fakeaccel:1"]
+        assert devices["current_after"] == 0
+
+
+@pytest.mark.parametrize("case", ["cpu_offload", "dispatch", "cpu_disk_map", "whole"])
+def test_accelerate_placements_generate_the_cpu_tokens(accel: dict, case: str) -> None:
+    assert accel[case] == accel["expected"]
+
+
+def test_dispatch_model_spans_both_devices(accel: dict) -> None:
+    assert accel["dispatch_devices"] == ["fakeaccel:0", "fakeaccel:1"]
+    assert accel["dispatch_layer1"] == "fakeaccel:1"
+    assert accel["whole_devices"] == ["fakeaccel:0"]
+
+
+def test_auto_device_map_uses_the_reported_capacity(accel: dict) -> None:
+    if accel["backend"] != "cpp":
+        pytest.skip("the python backend reports no device memory")
+    assert max(accel["held_before_auto"]) < 1000, accel["held_before_auto"]  # the models are freed
+    assert {"0", "1"} <= set(accel["auto_map"]), accel["auto_map"]
+    assert accel["auto"] == accel["expected"]
+
+
+def test_safetensors_via_host(accel: dict) -> None:
+    assert "fakeaccel:0 is invalid" in accel["safe_open_error"]
+    assert accel["safe_open_via_host"] == "cpu"
+    assert accel["patched_inside"] is True
+    assert accel["restored"] is True
+
+
+def test_device_count_and_capacity_are_checked() -> None:
+    with pytest.raises(ValueError, match="device_count"):
+        fake_device.install_fake_device(device_count=0)
+    with pytest.raises(ValueError, match="device_count"):
+        fake_device.install_fake_device(device_count=fake_device.MAX_DEVICES + 1)
+    with pytest.raises(ValueError, match="memory_per_device needs the C\\+\\+ backend"):
+        fake_device.install_fake_device(backend="python", memory_per_device=1 << 20)
+
+
+def test_another_device_count_needs_a_fresh_process(cpp_available: bool) -> None:
+    backend = "cpp" if cpp_available else "python"
+    out = run_python(
+        """
+        import sys
+        from overlay.testing import install_fake_device
+        install_fake_device("fakeaccel", sys.argv[1], device_count=2)
+        install_fake_device("fakeaccel", sys.argv[1], device_count=2)  # the same: fine
+        try:
+            install_fake_device("fakeaccel", sys.argv[1])
+        except RuntimeError as exc:
+            print(exc)
+        """,
+        backend,
+        timeout=BUILD_TIMEOUT_S,
+    )
+    assert "device_count=2" in out and "fresh process" in out
+
+
+# ------------------------------------------------------------------------- a broken build cache
+
+INSTALL_AND_SAY = """
+import torch.utils.cpp_extension as cpp_extension
+from overlay.testing import fake_device
+print("RESULT", __import__("json").dumps({"device": str(fake_device.install_fake_device()), **fake_device.fake_device_details()}))
+"""
+
+
+def _copy_cached_build(cache: Path) -> Path:
+    """The cached library of the user cache, copied (with its checksum) into ``cache``."""
+    if not fake_device._cpp_library_path().exists():
+        battery_report("cpp")  # builds and caches the library
+    source = fake_device._cpp_library_path()
+    target = cache / "fake_device" / source.parent.name / source.name
+    target.parent.mkdir(parents=True)
+    for path in (source, fake_device._digest_path(source)):
+        (target.parent / path.name).write_bytes(path.read_bytes())
+    return target
+
+
+def _fake_device_warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("fake device:")]
+
+
+def run_install(env: dict, prelude: str = "") -> tuple[dict, str]:
+    full_env = dict(os.environ, **env)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", prelude + INSTALL_AND_SAY], capture_output=True, text=True,
+        timeout=BUILD_TIMEOUT_S, env=full_env, cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return result_of(proc.stdout), proc.stderr
+
+
+def test_a_truncated_cached_library_is_reported_once_and_rebuilt(tmp_path: Path, cpp_available: bool) -> None:
+    if not cpp_available:
+        pytest.skip("no C++ compiler/ninja: the cpp fake device cannot be built here")
+    library = _copy_cached_build(tmp_path)
+    good = library.read_bytes()
+    library.write_bytes(good[: len(good) // 3])  # as a full disk or a killed copy leaves it
+    result, stderr = run_install({"ATTN_OVERLAY_CACHE_DIR": str(tmp_path)})
+    warnings = _fake_device_warnings(stderr)
+    assert len(warnings) == 1, stderr
+    assert str(library) in warnings[0] and "sha256 differs" in warnings[0] and "rebuilding" in warnings[0]
+    assert result["backend"] == "cpp" and result["library"] == str(library)
+    assert fake_device._library_problem(library) is None  # a complete library with its checksum
+    assert len(library.read_bytes()) > len(good) // 2
+    # The next process loads the rebuilt library without a word.
+    again, stderr = run_install({"ATTN_OVERLAY_CACHE_DIR": str(tmp_path)})
+    assert again["backend"] == "cpp" and not _fake_device_warnings(stderr)
+
+
+@pytest.mark.parametrize("blocked", ["fake_device", "key"])
+def test_a_file_where_a_cache_folder_should_be_is_reported_once_and_replaced(
+    tmp_path: Path, cpp_available: bool, blocked: str
+) -> None:
+    if not cpp_available:
+        pytest.skip("no C++ compiler/ninja: the cpp fake device cannot be built here")
+    good = _copy_cached_build(tmp_path / "good")
+    folder = tmp_path / "cache" / "fake_device"
+    if blocked == "key":
+        folder = folder / good.parent.name
+    folder.parent.mkdir(parents=True)
+    folder.write_text("not a folder")
+    # The compile itself is the previous test's; here cpp_extension.load loads and hands back a
+    # copy of the good library, and everything else (checksum, move into place) runs for real.
+    prelude = f"""
+import shutil, torch, torch.utils.cpp_extension as cpp_extension
+def load(name, sources, build_directory, **kwargs):
+    built = shutil.copy({str(good)!r}, build_directory + "/copied.so")
+    torch.ops.load_library(built)  # as cpp_extension.load does
+    return built
+cpp_extension.load = load
+"""
+    result, stderr = run_install({"ATTN_OVERLAY_CACHE_DIR": str(tmp_path / "cache")}, prelude)
+    warnings = _fake_device_warnings(stderr)
+    assert len(warnings) == 1, stderr
+    assert str(folder) in warnings[0] and "is a file" in warnings[0]
+    assert result["backend"] == "cpp"
+    assert Path(result["library"]).parent.is_dir()
+    assert fake_device._library_problem(Path(result["library"])) is None
