@@ -34,4 +34,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "encoder_decoder_dynamic_cache",
     "quantized_cache_beam_reorder",
     "cpmant_cached_generate",
+    "offload_execution_device",
 )

@@ -67,8 +67,15 @@ import overlay
 overlay.apply()
 for patch in overlay.known_patches():
     importlib.import_module(patch.module)
-applied = next(s for s in overlay.status() if s.state == "applied")
-target = next(p for p in overlay.known_patches() if p.id == applied.id).targets[0]
+# A target only one applied patch replaces (several patches can fix one function, e.g.
+# GenerationMixin.prepare_inputs_for_generation on 5.13 - 5.19): one patch displaced, one line.
+patches = {p.id: p for p in overlay.known_patches()}
+in_force = [patches[s.id] for s in overlay.status() if s.state == "applied"]
+def replaced_by(target):
+    return [p.id for p in in_force for t in p.targets
+            if target.key in (t.key, t.inherited_from) or t.key == target.inherited_from]
+patch, target = next((p, t) for p in in_force for t in p.targets if replaced_by(t) == [p.id])
+applied = next(s for s in overlay.status() if s.id == patch.id)
 owner_path, _, name = target.qualname.rpartition(".")
 owner = importlib.import_module(target.module)
 for part in owner_path.split("."):

@@ -326,7 +326,7 @@ def test_reason_cache_folder_not_writable(monkeypatch, tmp_path):
     blocker.write_text("")  # a folder cannot be made inside a file, also not by root
     reason = _cpp_unavailable_reason(monkeypatch, blocker / "cache")
     folder = blocker / "cache" / "fake_device"
-    assert reason.startswith(f"the cache folder {folder} is not writable (NotADirectoryError")
+    assert reason.startswith(f"the cache folder {folder} is not usable (NotADirectoryError")
     assert reason.endswith("set ATTN_OVERLAY_CACHE_DIR to a writable folder")
 
 
