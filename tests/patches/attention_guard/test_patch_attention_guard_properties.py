@@ -145,7 +145,9 @@ def call_kernel(example, tensors):
 def same_result(a, b) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
-    return a.device.type == "meta" or torch.equal(a, b)
+    # NaN equals NaN: SDPA on CPU gives NaN rows for some inputs that do not go together (a value
+    # longer than the key, seen in CI on 5.15.1), with and without the overlay alike.
+    return a.device.type == "meta" or torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def same_error(a, b) -> bool:
