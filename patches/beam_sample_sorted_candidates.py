@@ -25,7 +25,10 @@ seed the overlay gives the fixed release's sequences and scores.
 
 Cost: with sampling only, per decoding step one sort of ``batch x K`` scores and two gathers
 along the candidates (the running sequences, ``batch x K x max_length``, are copied once more
-per step; upstream sorts before building them). Greedy beam search pays one dictionary look-up.
+per step; upstream sorts before building them). Greedy beam search pays one wrapper frame per step,
+whose parameters are the release's own (4.55 - 5.13 and 5.18 shapes: the release's function is
+called with plain keywords, no ``*args``/``**kwargs`` re-packing; any other shape: a generic
+wrapper and one dictionary look-up).
 ``overlay.report`` counts each sorted step, never while compiling.
 
 Tested (``tests/patches/beam_sample_sorted_candidates/``); the full account:
@@ -42,7 +45,62 @@ PATCH_ID = "beam-sample-sorted-candidates"
 MODULE = "transformers.generation.utils"
 
 
+#: The releases' two parameter lists (every loop passes them all by keyword): 4.55 - 5.13 with
+#: ``vocab_size``; 5.18 without it and with ``**kwargs``. Another list gets the generic wrapper.
+_WITH_VOCAB_SIZE = ("self", "accumulated_log_probs", "running_sequences", "running_beam_indices", "cur_len",
+                    "decoder_prompt_len", "do_sample", "beams_to_keep", "num_beams", "vocab_size", "batch_size")
+_WITHOUT_VOCAB_SIZE = tuple(name for name in _WITH_VOCAB_SIZE if name != "vocab_size") + ("kwargs",)
+
+
+def _sorted(self, result):
+    """Upstream's sort (the fixed release), applied to the same sampled candidates."""
+    topk_log_probs, topk_running_sequences, topk_running_beam_indices = result
+    topk_log_probs, order = topk_log_probs.sort(dim=-1, descending=True)
+    topk_running_sequences = self._gather_beams(topk_running_sequences, order)
+    topk_running_beam_indices = self._gather_beams(topk_running_beam_indices, order)
+    report.record_outside_compile(PATCH_ID, "sorted the sampled beam candidates by score")
+    return topk_log_probs, topk_running_sequences, topk_running_beam_indices
+
+
 def _replace_get_top_k_continuations(original, variant):
+    import inspect
+
+    names = tuple(inspect.signature(original).parameters)
+    # Per beam-search step: a wrapper whose parameters are the release's own calls the release's
+    # function with plain keywords (no ``*args``/``**kwargs`` re-packing, about half the frame's
+    # cost), and decides from ``do_sample``, a parameter, before anything else.
+    if names == _WITH_VOCAB_SIZE:
+
+        @wraps(original)
+        def _get_top_k_continuations(self, accumulated_log_probs, running_sequences, running_beam_indices, cur_len,
+                                     decoder_prompt_len, do_sample, beams_to_keep, num_beams, vocab_size,
+                                     batch_size):
+            result = original(self, accumulated_log_probs=accumulated_log_probs, running_sequences=running_sequences,
+                              running_beam_indices=running_beam_indices, cur_len=cur_len,
+                              decoder_prompt_len=decoder_prompt_len, do_sample=do_sample,
+                              beams_to_keep=beams_to_keep, num_beams=num_beams, vocab_size=vocab_size,
+                              batch_size=batch_size)
+            return _sorted(self, result) if do_sample else result
+
+        return _get_top_k_continuations
+
+    if names == _WITHOUT_VOCAB_SIZE:
+
+        @wraps(original)
+        def _get_top_k_continuations(self, accumulated_log_probs, running_sequences, running_beam_indices, cur_len,
+                                     decoder_prompt_len, do_sample, beams_to_keep, num_beams, batch_size, **kwargs):
+            if kwargs:
+                result = original(self, accumulated_log_probs, running_sequences, running_beam_indices, cur_len,
+                                  decoder_prompt_len, do_sample, beams_to_keep, num_beams, batch_size, **kwargs)
+            else:
+                result = original(self, accumulated_log_probs=accumulated_log_probs,
+                                  running_sequences=running_sequences, running_beam_indices=running_beam_indices,
+                                  cur_len=cur_len, decoder_prompt_len=decoder_prompt_len, do_sample=do_sample,
+                                  beams_to_keep=beams_to_keep, num_beams=num_beams, batch_size=batch_size)
+            return _sorted(self, result) if do_sample else result
+
+        return _get_top_k_continuations
+
     argument = argument_reader(original)
 
     @wraps(original)
@@ -51,14 +109,7 @@ def _replace_get_top_k_continuations(original, variant):
         # beam search goes straight to the release's own function (one dictionary look-up).
         if not (kwargs["do_sample"] if "do_sample" in kwargs else argument(args, kwargs, "do_sample")):
             return original(self, *args, **kwargs)
-        result = original(self, *args, **kwargs)
-        topk_log_probs, topk_running_sequences, topk_running_beam_indices = result
-        # Upstream's sort (the fixed release), applied to the same sampled candidates.
-        topk_log_probs, order = topk_log_probs.sort(dim=-1, descending=True)
-        topk_running_sequences = self._gather_beams(topk_running_sequences, order)
-        topk_running_beam_indices = self._gather_beams(topk_running_beam_indices, order)
-        report.record_outside_compile(PATCH_ID, "sorted the sampled beam candidates by score")
-        return topk_log_probs, topk_running_sequences, topk_running_beam_indices
+        return _sorted(self, original(self, *args, **kwargs))
 
     return _get_top_k_continuations
 

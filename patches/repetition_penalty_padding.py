@@ -29,10 +29,12 @@ and continuous batching build their own processors, unchanged.
 
 Cost: nothing unless ``repetition_penalty`` is set. With it, once per generate() call, a small
 reduction of the mask and one host sync (does any row have padding?); with left padding, at the
-call's first decoding step a ``gather``, an ``arange``, a ``where`` and a ``nonzero`` (one more
-host sync) that find the padding positions and their replacement tokens, then per decoding step
-one out-of-place ``index_put`` of those few positions (the prompt's columns do not change within
-a call), and one ``overlay.report`` count per generate() call.
+call's first decoding step a ``gather``, a ``max`` (one more host sync), an ``arange`` and a
+``minimum`` that give each row's padding columns and its first real token, then per decoding
+step (the first included) one out-of-place ``scatter`` of those few values into the step's ids
+(the prompt's columns do not change within a call; a ``scatter`` costs less than the
+``index_put`` of the same positions), and one ``overlay.report`` count per generate() call.
+Under ``torch.compile`` (no host sync) every step builds the ids with a ``where`` instead.
 
 Tested (``tests/patches/repetition_penalty_padding/``); the full account:
 docs/patches/repetition-penalty-padding.md.
@@ -50,8 +52,8 @@ PATCH_ID = "repetition-penalty-padding"
 MODULE = "transformers.generation.utils"
 #: The attribute the swapped processor keeps each row's left-padding length in (a 1D long tensor).
 PADDING_ATTRIBUTE = "_attn_overlay_left_padding"
-#: What the first step prepares for the rest of the call: (rows, prompt width, the padding
-#: positions as (row indices, column indices), the row's first real token for each of them).
+#: What the first step prepares for the rest of the call: (rows, prompt width, a (rows, widest
+#: padding) scatter index and its values: each row's padding columns and its first real token).
 PREPARED_ATTRIBUTE = "_attn_overlay_prepared_padding"
 
 _subclasses: dict[type, type] = {}
@@ -66,35 +68,42 @@ def padding_aware_class(base: type) -> type:
 
     def __call__(self, input_ids, scores):
         prepared = getattr(self, PREPARED_ATTRIBUTE, None)
-        if prepared is not None and input_ids.shape[0] == prepared[0] and input_ids.shape[1] >= prepared[1]:
-            # Every later step of the call: the prompt's padding positions and their first-token
-            # values were found at the first step; the prompt columns do not change within a call
-            # (beam reordering moves rows among copies of one prompt), so one out-of-place
-            # index_put gives what the first step's gather/arange/where would give again.
-            input_ids = input_ids.index_put(prepared[2], prepared[3])
-        else:
-            padding = getattr(self, PADDING_ATTRIBUTE, None)
-            if padding is not None and input_ids.dim() == 2:
-                import torch
+        if prepared is not None:
+            shape = input_ids.shape
+            if shape[0] == prepared[0] and shape[1] >= prepared[1]:
+                # Every later step of the call: the prompt's columns do not change within a call
+                # (beam reordering moves rows among copies of one prompt), so one out-of-place
+                # scatter of the first step's (index, values) gives the first step's formula again.
+                return base.__call__(self, input_ids.scatter(1, prepared[2], prepared[3]), scores)
+        padding = getattr(self, PADDING_ATTRIBUTE, None)
+        if padding is not None and input_ids.dim() == 2:
+            import torch
 
-                rows = input_ids.shape[0]
-                if padding.shape[0] != rows and rows % padding.shape[0] == 0:
-                    # The processors were built before the inputs were expanded (beams, return
-                    # sequences): each prompt's rows are consecutive copies of it.
-                    padding = padding.repeat_interleave(rows // padding.shape[0])
-                if padding.shape[0] == rows:
-                    padding = padding.to(input_ids.device)
-                    setattr(self, PADDING_ATTRIBUTE, padding)  # expanded and moved once
-                    first_token = input_ids.gather(1, padding[:, None])
+            rows = input_ids.shape[0]
+            if padding.shape[0] != rows and rows % padding.shape[0] == 0:
+                # The processors were built before the inputs were expanded (beams, return
+                # sequences): each prompt's rows are consecutive copies of it.
+                padding = padding.repeat_interleave(rows // padding.shape[0])
+            if padding.shape[0] == rows:
+                padding = padding.to(input_ids.device)
+                setattr(self, PADDING_ATTRIBUTE, padding)  # expanded and moved once
+                first_token = input_ids.gather(1, padding[:, None])
+                if torch.compiler.is_compiling():
+                    # Traced: no host sync, the mask formula at every step.
                     columns = torch.arange(input_ids.shape[1], device=input_ids.device)
-                    padded = columns[None, :] < padding[:, None]
-                    input_ids = torch.where(padded, first_token, input_ids)
-                    if not torch.compiler.is_compiling():
-                        # Once per call (this processor is the call's own copy): where the
-                        # padding is and what replaces it, for the steps to come.
-                        where = padded.nonzero(as_tuple=True)
-                        setattr(self, PREPARED_ATTRIBUTE,
-                                (rows, input_ids.shape[1], where, first_token.expand_as(padded)[where]))
+                    input_ids = torch.where(columns[None, :] < padding[:, None], first_token, input_ids)
+                else:
+                    # Once per call (this processor is the call's own copy), one host sync: the
+                    # widest padding. Row r writes its first real token into columns
+                    # 0 .. padding[r] - 1 and, for the columns left over up to the widest
+                    # padding, into column padding[r] itself (which holds that token already).
+                    width = int(padding.max())
+                    index = torch.minimum(
+                        torch.arange(width, device=input_ids.device)[None, :], padding[:, None]
+                    )
+                    values = first_token.expand(rows, width).contiguous()
+                    input_ids = input_ids.scatter(1, index, values)
+                    setattr(self, PREPARED_ATTRIBUTE, (rows, input_ids.shape[1], index, values))
         return base.__call__(self, input_ids, scores)
 
     __call__.__doc__ = base.__call__.__doc__

@@ -267,7 +267,7 @@ def test_encoder_decoder_reads_the_decoder_mask():
 
 def test_later_steps_cost_one_op_and_give_the_first_steps_formula():
     """Issue 39: the padding positions are found once per call (the first step); every later step
-    of the call adds one small op to the release's own (an out-of-place ``index_put``), and its
+    of the call adds one small op to the release's own (an out-of-place ``scatter``), and its
     scores are what the first step's formula (padding replaced by the row's first real token) gives
     for that step's ids, also when the rows of one prompt's beams trade places."""
     if not PATCH.affected:
@@ -311,7 +311,7 @@ def test_later_steps_cost_one_op_and_give_the_first_steps_formula():
             extra = list(with_patch.names)
             for name in release.names:
                 extra.remove(name)
-            assert extra == ["aten.index_put"], (step, extra)
+            assert extra == ["aten.scatter"], (step, extra)
         new = torch.randint(3, 128, (4, 1), generator=generator)
         ids = torch.cat([ids[[1, 0, 3, 2]], new], dim=1)
 
