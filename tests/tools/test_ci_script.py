@@ -109,12 +109,12 @@ def test_two_groups_run_every_session_and_the_totals_add_up(checkout):
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(name for call in calls for name in call["sessions"]) == sorted(SESSIONS)
     # Longest first, each to the group with fewer minutes so far: the suite (4) and the lanes
-    # (3.4, 2.2, 1.6, 1.0 minutes; lint 1.0) end at 6.6 minutes each. The lanes group starts with
-    # lint, then its lanes oldest first; the suite's group starts with the suite.
+    # (2.4, 2.1, 1.95, 1.8 minutes; lint 1.0) end at 6.95 and 6.3 minutes. Each group starts with
+    # lint where it falls, then the suite, then its lanes oldest first.
     # The two groups run side by side: which stand-in nox records first is the machine's timing, so the
     # groups are compared as a set; the order they were started in is the line below.
-    assert sorted(call["sessions"] for call in calls) == [["lint", "tf-1.0.0", "tf-2.0.0"], ["tests", "tf-3.0.0", "tf-4.0.0"]]
-    assert "ci: two groups side by side: lint tf-1.0.0 tf-2.0.0 | tests tf-3.0.0 tf-4.0.0" in done.stdout
+    assert sorted(call["sessions"] for call in calls) == [["lint", "tests", "tf-3.0.0"], ["tf-1.0.0", "tf-2.0.0", "tf-4.0.0"]]
+    assert "ci: two groups side by side: tf-1.0.0 tf-2.0.0 tf-4.0.0 | lint tests tf-3.0.0" in done.stdout
     last = done.stdout.strip().splitlines()
     assert last[-1] == "ci: 15 passed, 0 failed, 5 skipped", last[-8:]  # 5 pytest sessions, lint has none
     assert "ci: lint: successful (no pytest in it)" in done.stdout
