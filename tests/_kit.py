@@ -183,3 +183,15 @@ def at_a_patch_edge(patch_id: str) -> bool:
     applied = [r for r in matrix_data.RELEASES if table[r][patch.id] == matrix_data.APPLIED]
     edges = {*applied[:1], *applied[-1:], *([patch.fixed_in] if patch.fixed_in else [])}
     return importlib.metadata.version("transformers") in edges
+
+
+def run_module_as_worker(test_file: str, tmp_path_factory: Any, *, marker: str, timeout: float) -> Any:
+    """A patch test module that is also its worker script (``if __name__ == "__main__"``), run in a
+    fresh interpreter in a temporary folder named after its test folder: the JSON it prints after
+    ``marker`` (:func:`overlay.testing.harness.run_json_worker`)."""
+    from pathlib import Path
+
+    from overlay.testing.harness import run_json_worker
+
+    script = Path(test_file).resolve()
+    return run_json_worker(script, marker=marker, timeout=timeout, cwd=str(tmp_path_factory.mktemp(script.parent.name)))

@@ -228,6 +228,52 @@ def on_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
     return {name: value.to(device) for name, value in batch.items()}
 
 
+def tensor_devices(value: Any) -> set[str]:
+    """The devices of every tensor in ``value``, at any depth of its dicts, lists and tuples (e.g.
+    the keyword arguments a forward pre-hook sees: a per-layer-type mask dict included), as
+    strings such as ``"cpu"`` or ``"fakeaccel:0"``."""
+    import torch
+
+    seen, stack = set(), [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            seen.add(str(item.device))
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return seen
+
+
+def generate_seeing_devices(model: Any, patch_id: str, **generate_kwargs: Any) -> dict[str, Any]:
+    """One ``model.generate(**generate_kwargs)`` under :mod:`torch.no_grad`, recording what a
+    device-placement test compares: ``ok`` and ``ids`` (on the host) or ``error`` (a
+    ``RuntimeError``'s text), ``forward_devices`` (every device a tensor the model's forward was
+    given sat on, sorted: :func:`tensor_devices` of its keyword arguments, as generate() passes
+    them), and ``fired`` / ``actions`` (``overlay.report``'s count and actions for ``patch_id``
+    over the call)."""
+    import torch
+
+    from overlay import report
+
+    seen: set[str] = set()
+    # Registered after any hook accelerate put on forward: sees what generate() passes.
+    handle = model.register_forward_pre_hook(lambda _m, _a, kw: seen.update(tensor_devices(kw)), with_kwargs=True)
+    report.reset()
+    try:
+        with torch.no_grad():
+            out = model.generate(**generate_kwargs)
+        result: dict[str, Any] = {"ok": True, "ids": out.cpu().tolist(), "forward_devices": sorted(seen)}
+    except RuntimeError as err:
+        result = {"ok": False, "error": str(err), "forward_devices": sorted(seen)}
+    finally:
+        handle.remove()
+    result["fired"] = report.fired().get(patch_id, 0)
+    result["actions"] = sorted(report.fired_actions().get(patch_id, {}))
+    return result
+
+
 def greedy_ids(
     model: Any, inputs: dict[str, Any], max_new_tokens: int, *, reuse_kept_cache: bool = False, **generate_kwargs: Any
 ) -> list[list[int]]:

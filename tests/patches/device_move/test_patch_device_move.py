@@ -336,9 +336,8 @@ def _worker(device_spec: str, models: tuple[str, ...] = MODELS) -> dict:
     import transformers
     from transformers.generation.utils import GenerationMixin
 
-    from overlay import report
     from overlay.patch import PATCH_MARKER
-    from overlay.testing.models import tiny_config, tiny_model
+    from overlay.testing.models import generate_seeing_devices, tiny_config, tiny_model
 
     # Two query heads sharing one KV head of 16; Gemma 3: a sliding (window 4) and a full layer.
     sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
@@ -351,35 +350,12 @@ def _worker(device_spec: str, models: tuple[str, ...] = MODELS) -> dict:
     host_ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])  # left-padded with pad id 0
     host_mask = (host_ids != 0).long()
 
-    def forward_devices(kwargs):
-        seen, stack = set(), list(kwargs.values())
-        while stack:
-            value = stack.pop()
-            if isinstance(value, torch.Tensor):
-                seen.add(str(value.device))
-            elif isinstance(value, dict):
-                stack.extend(value.values())
-            elif isinstance(value, (list, tuple)):
-                stack.extend(value)
-        return seen
-
     def generate(model, inputs_on_device, cache):
         ids, mask = (host_ids.to(device), host_mask.to(device)) if inputs_on_device else (host_ids, host_mask)
-        seen: set = set()
-        hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen.update(forward_devices(kw)), with_kwargs=True)
-        report.reset()
-        try:
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                 cache_implementation=cache, disable_compile=True, pad_token_id=0)
-            result = {"ok": True, "ids": out.cpu().tolist(), "forward_devices": sorted(seen)}
-        except RuntimeError as err:
-            result = {"ok": False, "error": str(err), "forward_devices": sorted(seen)}
-        finally:
-            hook.remove()
-        # Steps in which the patch moved something (overlay.report, counted on its slow path only).
-        result["fired"] = report.fired().get(PATCH.id, 0)
-        result["actions"] = sorted(report.fired_actions().get(PATCH.id, {}))
-        return result
+        # "fired": steps in which the patch moved something (overlay.report, its slow path only).
+        return generate_seeing_devices(model, PATCH.id, input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                                       do_sample=False, cache_implementation=cache, disable_compile=True,
+                                       pad_token_id=0)
 
     cases = {
         "host_static": (False, "static"),

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
 from overlay.patch import Variant
-from overlay.testing.harness import PatchUnderTest, assert_generated, run_json_worker
+from overlay.testing.harness import PatchUnderTest, assert_generated
 
 PATCH = PatchUnderTest("kept_static_cache")
 WORKER_TIMEOUT_S = 900  # imports, maybe a first build of the fake device (about a minute), ~75 tiny generations
@@ -123,10 +122,9 @@ def _scenario(results, model: str, scenario: str, flow: str) -> tuple[dict, dict
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_json_worker(
-        Path(__file__).resolve(), marker=RESULT_MARKER, timeout=WORKER_TIMEOUT_S,
-        cwd=str(tmp_path_factory.mktemp("kept-static-cache")),
-    )
+    from tests._kit import run_module_as_worker
+
+    return run_module_as_worker(__file__, tmp_path_factory, marker=RESULT_MARKER, timeout=WORKER_TIMEOUT_S)
 
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from overlay.testing.harness import PatchUnderTest, assert_generated, run_json_worker
+from overlay.testing.harness import PatchUnderTest, assert_generated
 
 PATCH = PatchUnderTest("offload_execution_device")
 if not PATCH.affected:
@@ -57,10 +57,9 @@ def _declared_error(error: str, device: str) -> bool:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_json_worker(
-        Path(__file__).resolve(), marker=RESULT_MARKER, timeout=WORKER_TIMEOUT_S,
-        cwd=str(tmp_path_factory.mktemp("offload-execution-device")),
-    )
+    from tests._kit import run_module_as_worker
+
+    return run_module_as_worker(__file__, tmp_path_factory, marker=RESULT_MARKER, timeout=WORKER_TIMEOUT_S)
 
 
 def test_engine_status(results):
@@ -224,42 +223,15 @@ def _worker() -> dict:
     import transformers.generation.utils  # noqa: F401  (the target's module: judged once imported)
 
     import overlay
-    from overlay import report
-    from overlay.testing.models import left_padded_batch, on_device, tiny_model
+    from overlay.testing.models import generate_seeing_devices, left_padded_batch, on_device, tiny_model
 
     batch = left_padded_batch()
 
-    def forward_devices(kwargs) -> set:
-        seen, stack = set(), list(kwargs.values())
-        while stack:
-            value = stack.pop()
-            if isinstance(value, torch.Tensor):
-                seen.add(str(value.device))
-            elif isinstance(value, dict):
-                stack.extend(value.values())
-            elif isinstance(value, (list, tuple)):
-                stack.extend(value)
-        return seen
-
     def generate(model, inputs, cache) -> dict:
         vars(model).pop("_cache", None)  # a static cache kept from an earlier call (up to 5.14)
-        seen: set = set()
-        # Registered after accelerate's hook wrapped forward: sees what generate() passes.
-        handle = model.register_forward_pre_hook(lambda _m, _a, kw: seen.update(forward_devices(kw)), with_kwargs=True)
-        report.reset()
         kwargs = {"cache_implementation": "static"} if cache == "static" else {}
-        try:
-            with torch.no_grad():
-                out = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, disable_compile=True,
-                                     pad_token_id=0, **kwargs)
-            result = {"ok": True, "ids": out.cpu().tolist(), "forward_devices": sorted(seen)}
-        except RuntimeError as err:
-            result = {"ok": False, "error": str(err), "forward_devices": sorted(seen)}
-        finally:
-            handle.remove()
-        result["fired"] = report.fired().get(PATCH.id, 0)
-        result["actions"] = sorted(report.fired_actions().get(PATCH.id, {}))
-        return result
+        return generate_seeing_devices(model, PATCH.id, **inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                                       disable_compile=True, pad_token_id=0, **kwargs)
 
     def offloaded(kind: str, how: str):
         model = tiny_model(kind)  # the same seed: the CPU control's weights
