@@ -54,6 +54,17 @@ def result_of(stdout: str) -> dict:
 
 
 # Runs every device check in one process and prints what it saw. argv: backend, device name.
+# What both workers below use to read an error: its text, or None when the call worked.
+ERROR_OF = r"""
+
+def error_of(fn):
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+"""
+
 BATTERY = r"""
 import json, sys
 import torch
@@ -64,14 +75,7 @@ backend, name = sys.argv[1], sys.argv[2]
 device = install_fake_device(name, backend)
 report = {"backend": fake_device_backend(), "device": str(device)}
 
-
-def error_of(fn):
-    try:
-        fn()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
+""" + ERROR_OF + r"""
 
 def same_bits(on_device, on_cpu):
     # Bit for bit: compare the raw bytes (torch.equal would let -0.0 == 0.0 through).
@@ -472,14 +476,7 @@ d1 = torch.device("fakeaccel:1")
 A = torch.accelerator
 report = {"backend": fake_device_backend(), "device_count": A.device_count(), "module_count": torch.fakeaccel.device_count()}
 
-
-def error_of(fn):
-    try:
-        fn()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
+""" + ERROR_OF + r"""
 
 report["empty_cache_error"] = error_of(A.empty_cache)
 report["accelerate_clear_error"] = error_of(lambda: __import__("accelerate.utils.memory").utils.memory.clear_device_cache())
