@@ -147,7 +147,9 @@ def _lane_place() -> tuple[int, int] | None:
 
     if os.environ.get(LANE_SHARE_VAR) != "1":
         return None
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
     import matrix_data
 
     installed = importlib.metadata.version("transformers")
@@ -179,8 +181,7 @@ def at_a_patch_edge(patch_id: str) -> bool:
     import matrix_data
 
     patch = next(p for p in matrix_data.load_patches() if p.id == patch_id)
-    table = matrix_data.matrix()
-    applied = [r for r in matrix_data.RELEASES if table[r][patch.id] == matrix_data.APPLIED]
+    applied = [r for r in matrix_data.RELEASES if matrix_data.expected_status(patch, r) == matrix_data.APPLIED]
     edges = {*applied[:1], *applied[-1:], *([patch.fixed_in] if patch.fixed_in else [])}
     return importlib.metadata.version("transformers") in edges
 
