@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
-from . import config
+from . import call_scope, config
 from .import_watch import ModuleWatch
 
 # The verdict's state words are the engine's too (engine.FIXED_UPSTREAM, ...): re-exported.
@@ -335,6 +335,22 @@ def _revert_records(records: list[_Record]) -> None:
         _set(record, FAILED, reason)
 
 
+def _sync_call_scope() -> None:
+    """Keep :mod:`overlay.call_scope` in step with the replacements in force: the per-call decision
+    on ``generate()`` exists exactly while some applied target declares ``needed_by_call``."""
+    names = {
+        swap.name
+        for record in _engine.records.values()
+        if record.status.state == APPLIED
+        for swap in record.swaps
+        if swap.target.needed_by_call is not None
+    }
+    try:
+        call_scope.update(names)
+    except Exception as exc:  # noqa: BLE001 - without it every step runs every layer: still correct
+        logger.warning("attn-overlay: the per-call decision on generate() is not in place: %s", exc)
+
+
 # -- registry ------------------------------------------------------------------------------
 
 
@@ -476,6 +492,8 @@ def _apply_for_module(module: ModuleType, *, imported_before: bool = False) -> l
             problems.append(message)
             if not _strict():
                 logger.warning(message)
+    if swapped:
+        _sync_call_scope()
     _engine.last_apply_seconds[module.__name__] = time.perf_counter() - started
     if swapped:
         if imported_before:  # once per module: it is in ever_patched from now on
@@ -644,6 +662,7 @@ def revert(only: Iterable[str] | None = None) -> list[PatchStatus]:
         for record in chosen:
             _set(record, INACTIVE, "reverted")
             record.label_only = False
+        _sync_call_scope()
         if all(r.status.state == INACTIVE for r in _engine.records.values()):
             _engine.settings = None
             _engine.imports.unwatch_all()
@@ -792,3 +811,4 @@ def isolated(patches: Iterable[Patch], *, distribution: str = TRANSFORMERS) -> I
         with previous.lock:
             # Both engines watch through the same callback: put back what the fresh one removed.
             previous.imports.rewatch()
+            _sync_call_scope()  # the per-call decision follows the restored engine's replacements

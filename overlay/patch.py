@@ -122,6 +122,11 @@ class Target:
     ``patches/releases.json`` names, per fingerprint, which variant that code is, and
     :func:`overlay.releases.patch_with_release_facts` builds ``originals`` from the two. Empty:
     one variant, ``"original"``, without parameters."""
+    needed_by_call: Callable[[Any, tuple, dict], bool] | None = None
+    """For a method the decoding loop calls on the model at every step: ``needed_by_call(model,
+    args, kwargs)`` of a ``generate()`` call answers False only when no step of that call can reach
+    what the fix changes; that call then runs the code below this replacement at every step
+    (:mod:`overlay.call_scope`). It must be cheap (it runs once per call) and err towards True."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """The variant parameters this target's replacement reads, each with the value most variants
     have: a variant states only where its code differs, so a new parameter is one entry here plus

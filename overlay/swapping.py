@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from . import config
+from .call_scope import NEEDED_BY_CALL
 from .patch import PATCH_MARKER, Location, Patch, Target, TargetMatch, Variant, function_of
 
 __all__ = [
@@ -107,6 +108,10 @@ def build(target: Target, variant: Variant, raw: Any, patch_id: str) -> Any:
     setattr(new, PATCH_MARKER, patch_id)
     if getattr(new, "__wrapped__", None) is None:
         new.__wrapped__ = original
+    if target.needed_by_call is not None:
+        # With the layer itself: a wrapper built with functools.wraps (a patch's over this one, or
+        # anyone's) copies the attribute but is not this layer, and is never passed over.
+        setattr(new, NEEDED_BY_CALL, (target.needed_by_call, new))
     return _rewrap_like(raw, new)
 
 

@@ -52,6 +52,16 @@ _WITH_VOCAB_SIZE = ("self", "accumulated_log_probs", "running_sequences", "runni
 _WITHOUT_VOCAB_SIZE = tuple(name for name in _WITH_VOCAB_SIZE if name != "vocab_size") + ("kwargs",)
 
 
+def _call_can_sample(model, args, kwargs):
+    """``needed_by_call``: whether this generate() call can sample. A ``do_sample`` keyword decides
+    (generate() sets it on the call's config); otherwise any config the call can start from that
+    samples (the ``generation_config`` passed, keyword or second positional, or the model's) counts."""
+    if "do_sample" in kwargs:
+        return bool(kwargs["do_sample"])
+    passed = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    return bool(getattr(passed, "do_sample", False) or getattr(model.generation_config, "do_sample", True))
+
+
 def _sorted(self, result):
     """Upstream's sort (the fixed release), applied to the same sampled candidates."""
     topk_log_probs, topk_running_sequences, topk_running_beam_indices = result
@@ -135,6 +145,7 @@ PATCH = patch_with_release_facts(
             module=MODULE,
             qualname="GenerationMixin._get_top_k_continuations",
             replace=_replace_get_top_k_continuations,
+            needed_by_call=_call_can_sample,
         ),
     ),
 )

@@ -65,17 +65,9 @@ def make_get_text_config(original, variant):
 
     signature = inspect.signature(original)
 
-    @wraps(original)
-    def get_text_config(self, *args, **kwargs):
-        text_config = original(self, *args, **kwargs)
-        if text_config is self:
-            return text_config
+    def completed(self, text_config):
         decoder_layers = getattr(text_config, "num_decoder_layers", None)
         if decoder_layers is None or getattr(text_config, "num_hidden_layers", None) == decoder_layers:
-            return text_config
-        asked = signature.bind(self, *args, **kwargs)
-        asked.apply_defaults()
-        if not asked.arguments.get("decoder") or asked.arguments.get("encoder"):
             return text_config
         # A sub-config (``config.decoder``, ``text_config``) is shared with its parent: not ours to
         # change. The flat branch's copy is a new object no attribute of ``self`` holds.
@@ -84,6 +76,30 @@ def make_get_text_config(original, variant):
         text_config.num_hidden_layers = decoder_layers
         _record()
         return text_config
+
+    if tuple(signature.parameters) == ("self", "decoder", "encoder"):
+        # Every release's own parameters (4.57 - 5.25): the mask builders call it at every decoding
+        # step without arguments, so the frame takes them as they are (no *args/**kwargs re-packing)
+        # and a call that does not ask for the decoder returns at the first test.
+        @wraps(original)
+        def get_text_config(self, decoder=None, encoder=None):
+            text_config = original(self, decoder, encoder)
+            if not decoder or encoder or text_config is self:
+                return text_config
+            return completed(self, text_config)
+
+        return get_text_config
+
+    @wraps(original)
+    def get_text_config(self, *args, **kwargs):
+        text_config = original(self, *args, **kwargs)
+        if text_config is self:
+            return text_config
+        asked = signature.bind(self, *args, **kwargs)
+        asked.apply_defaults()
+        if not asked.arguments.get("decoder") or asked.arguments.get("encoder"):
+            return text_config
+        return completed(self, text_config)
 
     return get_text_config
 

@@ -59,6 +59,23 @@ PATCH_ID = "device-move-nested"
 MODULE = "transformers.generation.utils"
 QUALNAME = "GenerationMixin.prepare_inputs_for_generation"
 
+#: generate()'s arguments that become a step's input tensor (``inputs`` is its first parameter).
+_STEP_INPUTS = ("inputs", "input_ids", "inputs_embeds", "decoder_input_ids", "decoder_inputs_embeds")
+
+
+def _call_can_move(model, args, kwargs):
+    """``needed_by_call``: whether a step of this generate() call can find its input tensor off
+    ``model.device`` (where the release's step 6 moves, and this fix with it). Every step's input is
+    a slice of, or grows from, the tensors passed here, on their device: when each of them is on
+    ``model.device`` no step moves anything. No input passed (generate() makes one) counts as
+    needed."""
+    given = [args[0]] if args and hasattr(args[0], "device") else []
+    given += [kwargs[name] for name in _STEP_INPUTS if hasattr(kwargs.get(name), "device")]
+    if not given:
+        return True
+    device = model.device
+    return any(tensor.device != device for tensor in given)
+
 
 def _replace_prepare_inputs_for_generation(original, variant):
     import inspect
@@ -145,6 +162,7 @@ PATCH = patch_with_release_facts(
             module=MODULE,
             qualname=QUALNAME,
             replace=_replace_prepare_inputs_for_generation,
+            needed_by_call=_call_can_move,
         ),
     ),
     doctor=("host-inputs-static",),

@@ -98,6 +98,11 @@ def _cached_execution_device(devices, model, hook):
     return device
 
 
+def _call_is_offloaded(model, args, kwargs):
+    """``needed_by_call``: only a model carrying accelerate's model-level hook can be offloaded."""
+    return "_hf_hook" in model.__dict__
+
+
 def _replace_prepare_inputs_for_generation(original, variant):
     import weakref
 
@@ -148,6 +153,7 @@ PATCH = patch_with_release_facts(
             module=MODULE,
             qualname=QUALNAME,
             replace=_replace_prepare_inputs_for_generation,
+            needed_by_call=_call_is_offloaded,
         ),
     ),
 )

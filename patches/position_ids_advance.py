@@ -56,6 +56,13 @@ def _overridden_outside_transformers(cls) -> bool:
     return not (getattr(step, "__module__", None) or "").startswith("transformers.")
 
 
+def _call_passes_positions(model, args, kwargs):
+    """``needed_by_call``: generate() keeps no positions between steps on these releases, so a
+    step can only meet the ones the caller passed (chunked prefill's own are popped before the
+    first step)."""
+    return kwargs.get("position_ids") is not None or kwargs.get("decoder_position_ids") is not None
+
+
 def _replace_update_model_kwargs(original, variant):
     @wraps(original)
     def _update_model_kwargs_for_generation(
@@ -108,6 +115,7 @@ PATCH = patch_with_release_facts(
             module=MODULE,
             qualname="GenerationMixin._update_model_kwargs_for_generation",
             replace=_replace_update_model_kwargs,
+            needed_by_call=_call_passes_positions,
         ),
     ),
 )

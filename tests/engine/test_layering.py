@@ -18,6 +18,7 @@ Floors, top to bottom:
   2  the release facts: ``overlay.releases`` (builds a patch file's ``PATCH`` from ``patches/releases.json``)
   1  leaves: ``overlay.patch`` (the patch format and the verdict),
      ``overlay.report``, ``overlay.guard``, ``overlay.tree_move``, ``overlay.call_forwarding``,
+     ``overlay.call_scope`` (the per-call decision on ``generate()``),
      ``overlay._version``, ``overlay._patch_files`` (where the patch files are, in either layout)
      (and the startup module ``_attn_overlay_startup``)
   0  the settings table: ``overlay.config`` (imports nothing of the package; the guard reads its mode there)
@@ -48,7 +49,7 @@ FLOORS = {
     "overlay.releases": 2,
     "overlay.config": 0,
     "overlay.patch": 1, "overlay.report": 1, "overlay.guard": 1, "overlay.tree_move": 1,
-    "overlay.call_forwarding": 1,
+    "overlay.call_forwarding": 1, "overlay.call_scope": 1,
     "overlay._version": 1, "overlay._patch_files": 1, "_attn_overlay_startup": 1,
 }
 #: Subpackages whose modules may import each other (one unit on one floor).
