@@ -38,6 +38,13 @@ def model():
     return tiny_model("llama")
 
 
+@pytest.fixture
+def applied():
+    """Every patch applied for the test, and only what it applied reverted after it."""
+    with engine.applied():
+        yield
+
+
 def _gated_layers(mixin) -> dict[str, object]:
     """Every gated replacement in force on the mixin, by code object -> patch id."""
     found = {}
@@ -74,8 +81,7 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_where_nothing_fires_no_gated_layer_runs_at_any_step(mixin, model, mode):
-    engine.apply()
+def test_where_nothing_fires_no_gated_layer_runs_at_any_step(mixin, model, mode, applied):
     codes = _gated_layers(mixin)
     # offload-execution-device covers every release the overlay supports: there is a gated layer.
     assert codes, "no gated replacement in force on GenerationMixin"
@@ -209,10 +215,9 @@ def test_a_second_call_on_the_same_model_takes_the_bindings_off():
     assert call_scope._running == {} and NAME not in vars(second)
 
 
-def test_threads_on_one_model_give_the_ids_of_one_thread(model):
+def test_threads_on_one_model_give_the_ids_of_one_thread(model, applied):
     with engine.reverted():
         stock_ids = greedy_ids(model, left_padded_batch(), 6)
-    engine.apply()
     results: list = []
     barrier = threading.Barrier(3)
 
@@ -229,8 +234,7 @@ def test_threads_on_one_model_give_the_ids_of_one_thread(model):
     assert NAME not in vars(model) and call_scope._running == {}
 
 
-def test_revert_takes_the_decision_off_and_apply_puts_it_back(mixin):
-    engine.apply()
+def test_revert_takes_the_decision_off_and_apply_puts_it_back(mixin, applied):
     assert call_scope.is_installed()
     wrapper = vars(mixin)["generate"]
     with engine.reverted():
