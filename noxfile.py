@@ -197,7 +197,7 @@ def lint(session: nox.Session) -> None:
     in pyproject.toml). No torch or transformers: both are typed as Any (ignore_missing_imports)."""
     with _environment_dropped_after(session):
         session.install("ruff", "mypy", "packaging")
-        session.run("ruff", "check", "overlay", "patches", "_attn_overlay_startup.py", "_attn_overlay_pytest.py")
+        session.run("ruff", "check", "overlay", "patches", "_attn_overlay_startup.py", "_attn_overlay_finder.py", "_attn_overlay_pytest.py")
         session.run("mypy")
 
 

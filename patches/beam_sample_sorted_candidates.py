@@ -25,10 +25,11 @@ seed the overlay gives the fixed release's sequences and scores.
 
 Cost: with sampling only, per decoding step one sort of ``batch x K`` scores and two gathers
 along the candidates (the running sequences, ``batch x K x max_length``, are copied once more
-per step; upstream sorts before building them). Greedy beam search pays one wrapper frame per step,
-whose parameters are the release's own (4.55 - 5.13 and 5.18 shapes: the release's function is
-called with plain keywords, no ``*args``/``**kwargs`` re-packing; any other shape: a generic
-wrapper and one dictionary look-up).
+per step; upstream sorts before building them). A generate() call that cannot sample (``do_sample``
+False by keyword, or in every config it can start from: ``needed_by_call``) runs the release's own
+method at every step; otherwise the wrapper's parameters are the release's own (4.55 - 5.13 and
+5.18 shapes: the release's function is called with plain keywords, no ``*args``/``**kwargs``
+re-packing; any other shape: a generic wrapper and one dictionary look-up).
 ``overlay.report`` counts each sorted step, never while compiling.
 
 Tested (``tests/patches/beam_sample_sorted_candidates/``); the full account:

@@ -37,8 +37,9 @@ costs a few dictionary lookups and two identity comparisons per step when the st
 the argument or a slice of it (a view: on the argument's device, so step 6 did not move it; every
 step of a call whose inputs are already on the model's device), else a device comparison, where
 evaluating ``self.device`` (a walk to the first parameter) would cost more than the rest of the
-wrapper and the mover's fast path together. The wrapper frame itself (``*args, **kwargs``,
-forwarded) stays, about 6,000 instructions per step under callgrind (Python 3.11). As in 5.20.0:
+wrapper and the mover's fast path together. A generate() call whose input tensors are all on
+``model.device`` never reaches the wrapper: its decision (``needed_by_call``, once per call,
+:mod:`overlay.call_scope`) hands every step to the release's own method. As in 5.20.0:
 inputs already on the device -> nothing is walked or moved; host inputs -> every tensor of the
 result is on the device.
 

@@ -34,9 +34,10 @@ the prepared inputs onto it, at any depth (:func:`overlay.tree_move.move_tree`; 
 untouched: the static cache's layers follow the key states' device). Inputs already there are not
 copied.
 
-Cost where nothing is offloaded: one dictionary lookup per call (``_hf_hook`` in the model's
-``__dict__``), about 0.1 us (0.35 us with the wrapper layer) against 35 - 56 us for the call
-itself; a model with accelerate's hook adds one weak-dictionary lookup per call. An
+Cost where nothing is offloaded: one dictionary lookup per generate() call (``_hf_hook`` in the
+model's ``__dict__``, ``needed_by_call``), and nothing per step: the call runs the release's own
+method; called directly, outside generate(), the same look-up per call (about 0.35 us with the
+wrapper layer); a model with accelerate's hook adds one weak-dictionary lookup per call. An
 offloaded model walks its modules to the first hooked one once per model-level hook.
 
 Not covered: models whose own ``prepare_inputs_for_generation`` does not call ``super()``;

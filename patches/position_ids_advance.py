@@ -21,9 +21,9 @@ What the replacement does: it wraps the original, whose code is the same on ever
 release, and afterwards appends the new tokens' positions (the last one plus 1 ..
 ``num_new_tokens``) to the ``position_ids`` (``decoder_position_ids`` for encoder-decoder models)
 the caller passed, as 5.3.0+ does; the step's input takes its positions from the end. Leading
-dimensions (Qwen2-VL's three rope sections) are kept. When no positions were passed, the cost is
-one dictionary lookup per decoding step; when they were, one small ``arange``, add and
-concatenation per step, as in the fixed releases.
+dimensions (Qwen2-VL's three rope sections) are kept. When no positions were passed to generate(),
+nothing per decoding step (``needed_by_call``: the call runs the release's own step); when they
+were, one small ``arange``, add and concatenation per step, as in the fixed releases.
 
 Limits: assisted and prompt-lookup decoding with ``position_ids`` still give the candidates
 stale positions (the fixed release also extends them per candidate batch there; not ported).

@@ -58,7 +58,8 @@ if engine is not None:
 print(json.dumps(result))
 """
 
-_HOOK_PROBE = "import sys; print(any(type(f).__name__ == 'PostImportFinder' for f in sys.meta_path))"
+# At start the startup module itself waits on sys.meta_path (the full finder takes over at `import transformers`).
+_HOOK_PROBE = "import sys; print(any(getattr(f, '__name__', '') == '_attn_overlay_startup' for f in sys.meta_path))"
 
 
 def settings(smoke: bool) -> dict[str, Any]:

@@ -20,7 +20,7 @@ Floors, top to bottom:
      ``overlay.report``, ``overlay.guard``, ``overlay.tree_move``, ``overlay.call_forwarding``,
      ``overlay.call_scope`` (the per-call decision on ``generate()``),
      ``overlay._version``, ``overlay._patch_files`` (where the patch files are, in either layout)
-     (and the startup module ``_attn_overlay_startup``)
+     (and the startup modules ``_attn_overlay_startup`` and ``_attn_overlay_finder``)
   0  the settings table: ``overlay.config`` (imports nothing of the package; the guard reads its mode there)
 A module imports only modules on lower floors. The one exception is a subpackage's own modules
 (``overlay.doctor._runner`` importing ``overlay.doctor._scenarios``): one unit, one floor.
@@ -50,7 +50,7 @@ FLOORS = {
     "overlay.config": 0,
     "overlay.patch": 1, "overlay.report": 1, "overlay.guard": 1, "overlay.tree_move": 1,
     "overlay.call_forwarding": 1, "overlay.call_scope": 1,
-    "overlay._version": 1, "overlay._patch_files": 1, "_attn_overlay_startup": 1,
+    "overlay._version": 1, "overlay._patch_files": 1, "_attn_overlay_startup": 1, "_attn_overlay_finder": 1,
 }
 #: Subpackages whose modules may import each other (one unit on one floor).
 UNITS = ("overlay.doctor", "overlay.testing", "overlay.patches")
@@ -106,7 +106,7 @@ def test_no_import_runs_back_up_a_floor():
     upward = []
     for name, path, is_package in _modules():
         for imported, line in _imports(name, path, is_package):
-            if not (imported == "overlay" or imported.startswith("overlay.") or imported == "_attn_overlay_startup"):
+            if not (imported == "overlay" or imported.startswith("overlay.") or imported in ("_attn_overlay_startup", "_attn_overlay_finder")):
                 continue
             if imported == name or name.startswith(imported + ".") and imported != "overlay":
                 continue  # a package's own parent package, as the import system loads it anyway

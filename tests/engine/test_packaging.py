@@ -58,7 +58,7 @@ def _names(wheel: Path) -> list[str]:
 def test_the_wheel_built_from_the_sdist_has_the_same_files_as_the_one_built_from_the_tree(dists):
     _, from_sdist, from_tree = dists
     assert _names(from_sdist) == _names(from_tree)
-    assert {"attn_overlay.pth", "attn_overlay.start", "_attn_overlay_startup.py", "overlay/patches/__init__.py",
+    assert {"attn_overlay.pth", "attn_overlay.start", "_attn_overlay_startup.py", "_attn_overlay_finder.py", "overlay/patches/__init__.py",
             "overlay/py.typed"} <= set(_names(from_tree))
 
 

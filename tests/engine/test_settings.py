@@ -44,7 +44,8 @@ def _warnings(caplog) -> list[str]:
 
 def test_every_variable_the_overlay_reads_is_a_row_of_the_table():
     # A new ATTN_OVERLAY_* read anywhere in the shipped code must get its row (and so its README line).
-    shipped = [*(REPO / "overlay").rglob("*.py"), *(REPO / "patches").glob("*.py"), REPO / "_attn_overlay_startup.py"]
+    shipped = [*(REPO / "overlay").rglob("*.py"), *(REPO / "patches").glob("*.py"), REPO / "_attn_overlay_startup.py",
+               REPO / "_attn_overlay_finder.py"]
     named = set()
     for path in shipped:
         named |= set(re.findall(r"\bATTN_OVERLAY(?:_[A-Z]+)*\b", path.read_text(encoding="utf-8")))
@@ -67,9 +68,10 @@ def test_each_row_reads_its_own_default_as_written(setting, clean_env):
 
 
 def test_the_startup_hook_reads_ATTN_OVERLAY_with_the_same_words():
+    import _attn_overlay_finder as finder
     import _attn_overlay_startup as startup
 
-    assert tuple(startup._OFF) == config.FALSE_WORDS
+    assert tuple(startup._OFF) == tuple(finder._OFF) == config.FALSE_WORDS
 
 
 # -- values outside the table ----------------------------------------------------------------------
