@@ -208,7 +208,14 @@ def ensure_finder():
     current = finder()
     if current is None:
         current = PostImportFinder()
-        sys.meta_path.insert(0, current)
+        for index, entry in enumerate(sys.meta_path):
+            if getattr(entry, "attn_overlay_waiting", False):
+                # In the startup module's place, by one item assignment: a thread walking
+                # sys.meta_path meanwhile (importing something else) skips no finder.
+                sys.meta_path[index] = current
+                break
+        else:
+            sys.meta_path.insert(0, current)
     return current
 
 

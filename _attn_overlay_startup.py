@@ -52,15 +52,16 @@ def _take_over():
     ``None`` when it cannot be loaded (a broken install stays silent, as ``import transformers``
     must never fail because of the overlay)."""
     with _lock:
-        for entry in _waiting():
-            sys.meta_path.remove(entry)
         try:
             import _attn_overlay_finder
 
-            _attn_overlay_finder.install()
-            return _attn_overlay_finder.finder()
+            _attn_overlay_finder.install()  # the finder takes this module's place on sys.meta_path
+            current = _attn_overlay_finder.finder()
         except Exception:
-            return None
+            current = None
+        for entry in _waiting():  # still there: the finder was elsewhere already, or failed to load
+            sys.meta_path.remove(entry)
+        return current
 
 
 def finder():

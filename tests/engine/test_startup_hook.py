@@ -133,6 +133,32 @@ def test_hook_does_not_import_heavy_modules_at_startup(fresh):
     assert done.stdout.strip() == "PostImportFinder False"
 
 
+TAKE_OVER = """
+import sys, threading
+import _attn_overlay_startup as waiting
+before = list(sys.meta_path)
+at = before.index(waiting)
+results = []
+def other_imports():  # another thread walks sys.meta_path meanwhile: it must find every module
+    for name in ("json", "csv", "email.mime.text", "xml.dom.minidom", "http.client", "tomllib"):
+        results.append(__import__(name).__name__)
+thread = threading.Thread(target=other_imports)
+thread.start()
+import transformers
+thread.join()
+after = list(sys.meta_path)
+print(len(after) == len(before), type(after[at]).__name__, after[:at] + after[at + 1:] == before[:at] + before[at + 1:],
+      waiting in after, len(results))
+"""
+
+
+def test_the_finder_takes_the_startup_modules_place_when_transformers_is_imported(fresh):
+    # One item assignment at the same index: the other finders keep their places, so a thread
+    # walking sys.meta_path during the hand-over skips none of them.
+    done = fresh.run("-c", TAKE_OVER, env=NO_ADVICE)
+    assert done.stdout.strip().splitlines()[-1] == "True PostImportFinder True False 6", done.stderr
+
+
 # Nothing imported before the snapshot: sorted() and print() are builtins.
 STARTUP_MODULES = (
     "import sys; print(sorted(sys.modules)); "
