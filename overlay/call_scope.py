@@ -28,6 +28,10 @@ What stays exact:
   Bindings exist only while one call alone runs on the instance.
 
 Code that calls the method directly (not through ``generate()``) always meets every layer.
+
+Known limit: the wrapper is one more frame above ``generate()``. A warning that transformers raises
+with ``stacklevel=2`` from its outermost decorator on ``generate`` (5.24+: ``deprecate_kwarg`` for
+``past_key_values``) names this module's line instead of the caller's.
 """
 
 from __future__ import annotations
