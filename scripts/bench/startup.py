@@ -58,8 +58,10 @@ if engine is not None:
 print(json.dumps(result))
 """
 
-# At start the startup module itself waits on sys.meta_path (the full finder takes over at `import transformers`).
-_HOOK_PROBE = "import sys; print(any(getattr(f, '__name__', '') == '_attn_overlay_startup' for f in sys.meta_path))"
+# At start the startup module itself waits on sys.meta_path (the full finder takes over at `import transformers`);
+# an overlay from before that change (``--overlay-root``) put its PostImportFinder there at once.
+_HOOK_PROBE = ("import sys; print(any(getattr(f, '__name__', '') == '_attn_overlay_startup' "
+               "or type(f).__name__ == 'PostImportFinder' for f in sys.meta_path))")
 
 
 def settings(smoke: bool) -> dict[str, Any]:
