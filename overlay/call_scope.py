@@ -23,9 +23,9 @@ What stays exact:
   an instance that already holds the attribute itself (PEFT binds its own
   ``prepare_inputs_for_generation`` on the base model).
 - A predicate that raises counts as "needed" (the layer stays).
-- Two calls at once on the same model (threads; a nested call): the second one takes the first's
-  bindings off before it starts and binds nothing itself, so both run every layer from then on.
-  Bindings exist only while one call alone runs on the instance.
+- Two calls at once on the same model (threads; a nested call): every call registers, and the
+  second one takes the first's bindings off before it starts and binds nothing itself, so both run
+  every layer from then on. Bindings exist only while one call alone runs on the instance.
 
 Code that calls the method directly (not through ``generate()``) always meets every layer.
 
@@ -145,12 +145,14 @@ def scoped(generate: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(generate)
     def generate_for_call(self, *args, **kwargs):
-        try:
-            bindings = bindings_for(self, args, kwargs) if _gated_names else None
-        except Exception:  # noqa: BLE001 - deciding must never break a generate() call
-            bindings = None
-        if not bindings:
+        if not _gated_names or getattr(self, "__dict__", None) is None:
             return generate(self, *args, **kwargs)
+        try:
+            bindings = bindings_for(self, args, kwargs)
+        except Exception:  # noqa: BLE001 - deciding must never break a generate() call
+            bindings = {}
+        # Registered even when it binds nothing: a call already running on this model (another
+        # thread, or this call's caller) may hold bindings that this call must not run with.
         bound = _enter(self, bindings)
         try:
             return generate(self, *args, **kwargs)

@@ -215,6 +215,32 @@ def test_a_second_call_on_the_same_model_takes_the_bindings_off():
     assert call_scope._running == {} and NAME not in vars(second)
 
 
+def test_a_nested_call_that_needs_the_layer_gets_it_while_the_outer_one_had_it_skipped(model):
+    # The outer call (4 tokens) does not need the layer; a call made from inside its first step
+    # (3 tokens) does. The inner call must not run with the outer call's binding.
+    calls: list = []
+    inner_done: list = []
+    with engine.reverted(), engine.isolated([_toy_patch(calls, lambda m, a, k: k.get("max_new_tokens") == 3)]):
+        engine.apply(only=[TOY])
+        original_forward = type(model).forward
+
+        def forward(self, *args, **kwargs):
+            if not inner_done:
+                inner_done.append("started")  # before the inner call: its own steps come here too
+                inner_done.append(greedy_ids(self, left_padded_batch(), 3))
+            return original_forward(self, *args, **kwargs)
+
+        type(model).forward = forward
+        try:
+            greedy_ids(model, left_padded_batch(), 4)
+        finally:
+            type(model).forward = original_forward
+    # The inner call's 3 steps ran the layer; so did the outer call's steps after the inner one
+    # took its binding off (every layer from then on).
+    assert len(calls) >= 3 and inner_done
+    assert NAME not in vars(model) and call_scope._running == {}
+
+
 def test_threads_on_one_model_give_the_ids_of_one_thread(model, applied):
     with engine.reverted():
         stock_ids = greedy_ids(model, left_padded_batch(), 6)
