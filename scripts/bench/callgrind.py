@@ -102,6 +102,85 @@ def read_dumps(folder: Path) -> dict[str, int]:
     return counts
 
 
+#: The groups :func:`read_object_costs` sums a dump's instructions into, by the object (shared
+#: library or executable) that ran them. ``interpreter``: CPython itself, its extension modules and
+#: the C library (``malloc`` serves the interpreter's allocations); identical calls in one process
+#: differ there (dict probes, the type attribute cache and the small-object allocator depend on
+#: addresses and on what earlier calls left behind). ``native``: everything else (libtorch, c10, the
+#: dynamic loader's thread-local lookups, libstdc++, libm, OpenMP): what torch does for each op and
+#: attribute read, the same to the instruction in identical calls.
+INTERPRETER, NATIVE = "interpreter", "native"
+
+
+def object_group(path: str) -> str:
+    """:data:`INTERPRETER` or :data:`NATIVE` for an object file named in a callgrind dump."""
+    name = Path(path).name
+    if name.startswith(("libpython", "python", "libc.so", "libc-")) or ".cpython-" in name:
+        return INTERPRETER
+    return NATIVE
+
+
+def _compressed_name(value: str, names: dict[str, str]) -> str:
+    """A callgrind name field: ``(id) name`` defines id, ``(id)`` refers to it, ``name`` is plain."""
+    value = value.strip()
+    if value.startswith("("):
+        ident, _, name = value[1:].partition(")")
+        name = name.strip()
+        if name:
+            names[ident] = name
+            return name
+        return names.get(ident, f"({ident})")
+    return value
+
+
+def object_costs(path: Path) -> tuple[str | None, dict[str, int]]:
+    """One dump's label (the client request that wrote it) and its first event's self cost per
+    :func:`object_group`. The sum is checked against the dump's own ``totals:`` line: a dump this
+    reader does not understand raises instead of giving a wrong split."""
+    label = totals = None
+    costs = {INTERPRETER: 0, NATIVE: 0}
+    names: dict[str, str] = {}
+    group = NATIVE
+    positions = 1
+    call_cost_next = False
+    with path.open(errors="replace") as handle:
+        for line in handle:
+            first = line[:1]
+            if first.isdigit() or first in "+-*":
+                if call_cost_next:  # the inclusive cost of the call just named: not this object's own
+                    call_cost_next = False
+                    continue
+                fields = line.split()
+                if len(fields) > positions:
+                    costs[group] += int(fields[positions])
+            elif line.startswith("ob="):
+                group = object_group(_compressed_name(line[3:], names))
+            elif line.startswith("cob="):
+                _compressed_name(line[4:], names)  # may define an id a later ob= refers to
+            elif line.startswith("calls="):
+                call_cost_next = True
+            elif line.startswith("positions:"):
+                positions = len(line.split()) - 1
+            elif line.startswith("desc: Trigger: Client Request: "):
+                label = line.split("Client Request: ", 1)[1].strip()
+            elif line.startswith("totals:"):
+                totals = int(line.split()[1])
+    if totals is not None and sum(costs.values()) != totals:
+        raise ValueError(f"{path}: per-object costs sum to {sum(costs.values())}, the dump's totals say {totals}")
+    return label, costs
+
+
+def read_object_costs(folder: Path) -> dict[str, dict[str, int]]:
+    """``{label: {group: instructions}}`` of every dump a client request triggered (see
+    :func:`object_costs`)."""
+    found = {}
+    for path in folder.glob("cg.*"):
+        label, costs = object_costs(path)
+        if label is not None:
+            found[label] = costs
+    return found
+
+
 def run(smoke: bool, options: dict[str, Any]) -> common.Figure:
     figure = common.Figure(FIGURE, ID, TITLE)
     payload = settings(smoke)
