@@ -12,10 +12,10 @@ self.eos_token_id)`` (``isin_mps_friendly`` up to 5.0.0), and generate() hands i
 Upstream (5.13.0, huggingface/transformers#46790) skips that cut when ``eos_token_id`` is ``None``.
 
 What the replacement does: it wraps ``get_candidates``. With an eos token it calls the original
-and does nothing else (one attribute read per decoding step). Without one, it lends the generator,
-for that call only, an empty tensor of token ids as its eos tokens: ``isin`` then finds no eos
-token and nothing is cut, which is exactly what the fixed release does; the attribute is ``None``
-again when the call returns (or raises). Cost on that path: one empty tensor per call. It records
+with the same arguments and does nothing else (one attribute read per decoding step). Without
+one, it lends the generator, for that call only, an empty tensor of token ids as its eos tokens:
+``isin`` then finds no eos token and nothing is cut, which is exactly what the fixed release does;
+the attribute is ``None`` again when the call returns (or raises). Cost on that path: one empty tensor per call. It records
 in ``overlay.report`` only the calls that found candidates (the ones stock would have failed in).
 
 Not covered: other candidate generators (assisted decoding with an assistant model reads the
@@ -42,6 +42,14 @@ def _replace_get_candidates(original, variant):
     @wraps(original)
     def get_candidates(self, input_ids, *args, **kwargs):
         if self.eos_token_id is not None:
+            # Every decoding step of prompt lookup. The calls the releases make are spelled out
+            # (``(input_ids)``; 5.0.x ``(input_ids, is_first_iteration)``): a plain call runs in the
+            # same eval loop, ``f(*args, **kwargs)`` costs CPython about 1,500 instructions more.
+            if not kwargs:
+                if not args:
+                    return original(self, input_ids)
+                if len(args) == 1:
+                    return original(self, input_ids, args[0])
             return original(self, input_ids, *args, **kwargs)
         # No eos token: an empty set of eos ids makes the release's isin() find none, so no
         # candidate is cut, as in 5.13.0+ (which skips the cut when eos_token_id is None).
