@@ -5,7 +5,8 @@ kit users get; these are the suite's own).
 - :func:`assert_replacements_keep_the_originals_face`: name, docstring and signature kept;
 - :func:`assert_in_force_only_while_applied` and :func:`assert_set_on_its_class_only_while_applied`:
   the engine's status and what is on the class during and after ``PATCH.applied()``;
-- ``STATIC_*``, :func:`static_greedy`, :func:`static_cases`: the static cache patches' scenarios.
+- ``STATIC_*``, :func:`static_greedy`, :func:`static_cases`: the static cache patches' scenarios;
+- :func:`count_calls`: the Python calls made while something runs (what runs per decoding step).
 
 Imported as ``from tests._kit import ...`` (pytest runs from the repository root). A test file that
 also runs as a worker script imports it inside the test that needs it.
@@ -196,3 +197,30 @@ def run_module_as_worker(test_file: str, tmp_path_factory: Any, *, marker: str, 
 
     script = Path(test_file).resolve()
     return run_json_worker(script, marker=marker, timeout=timeout, cwd=str(tmp_path_factory.mktemp(script.parent.name)))
+
+
+def count_calls(key_of: Callable[[Any], Any], run: Callable[[], Any]) -> dict:
+    """``{key: calls}`` of the Python functions called during ``run()`` (``sys.setprofile``), keyed by
+    ``key_of(code)``; a code whose key is None is not counted (asked once per code object)."""
+    import sys
+
+    counts: dict = {}
+    keys: dict = {}
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        try:
+            key = keys[code]
+        except KeyError:
+            key = keys[code] = key_of(code)
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return counts

@@ -21,6 +21,7 @@ from overlay import call_scope, engine
 from overlay.patch import Patch, Target, fingerprint, wraps
 from overlay.swapping import below_overlay
 from overlay.testing.models import greedy_ids, left_padded_batch, tiny_model
+from tests._kit import count_calls
 
 pytestmark = pytest.mark.lane
 
@@ -59,18 +60,7 @@ def _gated_layers(mixin) -> dict[str, object]:
 
 
 def _calls_per_call(codes, run) -> dict[str, int]:
-    counts: dict[str, int] = {}
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code in codes:
-            counts[codes[frame.f_code]] = counts.get(codes[frame.f_code], 0) + 1
-
-    sys.setprofile(profile)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    return counts
+    return count_calls(codes.get, run)
 
 
 MODES = {
