@@ -101,7 +101,7 @@ def padding_aware_class(base: type) -> type:
                     index = torch.minimum(
                         torch.arange(width, device=input_ids.device)[None, :], padding[:, None]
                     )
-                    values = first_token.expand(rows, width).contiguous()
+                    values = first_token.expand(rows, width)  # a view: scatter reads any strides
                     input_ids = input_ids.scatter(1, index, values)
                     setattr(self, PREPARED_ATTRIBUTE, (rows, input_ids.shape[1], index, values))
         return base.__call__(self, input_ids, scores)
@@ -115,9 +115,10 @@ def padding_aware_class(base: type) -> type:
 
 
 def left_padding(mask):
-    """Each row's count of leading zeros in a 2D mask (0 for a row without any token, as upstream)."""
-    leading = ((mask != 0).long().cumsum(-1) == 0).sum(-1)
-    return leading.masked_fill(leading == mask.shape[-1], 0)
+    """Each row's count of leading zeros in a 2D mask (0 for a row without any token, as upstream):
+    the column of its first nonzero entry, which ``argmax`` returns (the first of equal maxima);
+    a row of zeros gives column 0. Three ops, once per call."""
+    return (mask != 0).long().argmax(-1)
 
 
 def _replace_get_logits_processor(original, variant):

@@ -265,6 +265,28 @@ def test_encoder_decoder_reads_the_decoder_mask():
     assert kinds == {"attention_mask": True, "decoder_attention_mask": not PATCH.affected}
 
 
+def test_left_padding_counts_each_rows_leading_zeros():
+    """Each row's left padding, as upstream reads it: its leading zeros, 0 for a row without any
+    token; right padding and holes after the first token are not left padding. Compared with the
+    definition on every 0/1 mask of 4 columns (all rows at once), and on bool and float masks."""
+    import itertools
+
+    import torch
+
+    module = PATCH.patch_module
+    rows = list(itertools.product((0, 1), repeat=4))
+
+    def expected(row):
+        leading = next((i for i, value in enumerate(row) if value), None)
+        return 0 if leading is None else leading
+
+    mask = torch.tensor(rows)
+    assert module.left_padding(mask).tolist() == [expected(row) for row in rows]
+    assert module.left_padding(mask.bool()).tolist() == [expected(row) for row in rows]
+    assert module.left_padding(mask.float() * 0.5).tolist() == [expected(row) for row in rows]
+    assert module.left_padding(torch.tensor([[0], [1]])).tolist() == [0, 0]
+
+
 def test_later_steps_cost_one_op_and_give_the_first_steps_formula():
     """Issue 39: the padding positions are found once per call (the first step); every later step
     of the call adds one small op to the release's own (an out-of-place ``scatter``), and its
