@@ -54,6 +54,18 @@ def test_ci_lanes_share_every_case_and_keep_the_first(monkeypatch):
     assert ran == set(CASES)
 
 
+def test_ci_lanes_run_every_per_step_budget_mode(monkeypatch):
+    """tests/engine/test_per_step_budget.py: three modes on every lane, the other three in turn."""
+    modes = [f"mode {i}" for i in range(6)]
+    ran: set[str] = set()
+    for release in matrix_data.ci_lanes():
+        _on_lane(monkeypatch, release)
+        share = _kit.lane_share(modes, always=3)
+        assert share[:3] == modes[:3] and len(share) == 4
+        ran.update(share)
+    assert ran == set(modes)
+
+
 def test_a_release_the_matrix_does_not_list_runs_everything(monkeypatch):
     _on_lane(monkeypatch, "5.999.0")
     assert _kit.lane_share(CASES) == CASES
