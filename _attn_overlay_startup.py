@@ -9,8 +9,9 @@ search for ``transformers`` (in any thread), or the first caller that asks for t
 transformers (pip, most tools) pays one dictionary-free comparison per import and loads nothing more.
 
 ``ATTN_OVERLAY=0`` turns it off (nothing is put on ``sys.meta_path``; the engine checks it again).
-The other names of ``_attn_overlay_finder`` (``PostImportFinder``, ``shadowing_module``, ...) are
-read through this module too, which loads it.
+Three names of ``_attn_overlay_finder`` (``PostImportFinder``, ``shadowing_module``,
+``activate_when_transformers_is_imported``) are read through this module too, which loads it; any
+other missing name is an ``AttributeError`` (finder probes on ``sys.meta_path`` must find nothing).
 
 At interpreter start it imports nothing that a bare ``python -c pass`` has not imported already
 (``sys`` and ``_thread`` are there before ``site`` reads any ``.pth`` file, and so is ``os``, read
@@ -83,16 +84,24 @@ def ensure_finder():
     return _attn_overlay_finder.ensure_finder()
 
 
-def __getattr__(name):
-    # PEP 562: the full module's names (PostImportFinder, shadowing_module, ...), loaded on first use.
-    if name.startswith("__"):
-        raise AttributeError(name)
-    import _attn_overlay_finder
+#: The full module's names read through this one (PEP 562 ``__getattr__`` below), loaded on first use.
+_FORWARDED = ("PostImportFinder", "activate_when_transformers_is_imported", "shadowing_module")
 
-    try:
-        return getattr(_attn_overlay_finder, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+def __getattr__(name):
+    # Only the names above load the full module. This module stands on sys.meta_path, where other
+    # code probes finders for optional methods (importlib.metadata asks every finder for
+    # ``find_distributions`` with getattr(..., None)): any other name is simply missing, and so is
+    # a forwarded one whose module cannot be imported (pip's isolated build environments drop the
+    # site-packages folder this module was imported from), never another exception.
+    if name in _FORWARDED:
+        try:
+            import _attn_overlay_finder
+
+            return getattr(_attn_overlay_finder, name)
+        except (ImportError, AttributeError):
+            pass
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def install():

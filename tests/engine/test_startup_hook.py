@@ -258,6 +258,30 @@ def test_hook_file_left_behind_after_the_package_is_gone(tmp_path, wheel):
     assert done.stdout.strip() == "ok" and done.stderr == ""
 
 
+def test_an_isolated_build_environment_reads_entry_points(fresh):
+    """pip builds a package from source in an isolated environment: the interpreter starts with
+    the environment's site-packages (so the hook runs), then pip's sitecustomize drops that folder
+    from sys.path, and setuptools reads entry points (importlib.metadata asks every finder on
+    sys.meta_path for ``find_distributions``). The waiting finder must answer "no such attribute"
+    without loading the full finder, which cannot be imported there."""
+    program = textwrap.dedent(
+        """
+        import site, sys
+        import importlib.metadata as metadata
+        assert any(getattr(f, "__name__", "") == "_attn_overlay_startup" for f in sys.meta_path), sys.meta_path
+        dropped = set(site.getsitepackages())
+        sys.path[:] = [p for p in sys.path if p not in dropped]
+        list(metadata.entry_points(group="distutils.setup_keywords"))
+        list(metadata.distributions())
+        assert "_attn_overlay_finder" not in sys.modules
+        import json  # noqa: F401  (imports still pass the waiting finder)
+        print("ok")
+        """
+    )
+    done = fresh.run("-c", program)
+    assert done.stdout.strip() == "ok" and done.stderr == "", done.stderr
+
+
 def _read_only_runner():
     """A way to run a command with one directory mounted read-only, as an unprivileged user
     namespace (root in CI ignores file modes, so chmod proves nothing)."""
