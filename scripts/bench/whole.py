@@ -369,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:
             for figure in json.loads(path.read_text(encoding="utf-8"))["figures"]:
                 if figure["figure"] == FIGURE:
-                    lanes.update({f"{path.name}:{lane}": d for lane, d in figure["details"].get("lanes", {}).items()})
+                    # Keyed by the whole path: reports of several runs are often all named latest.json.
+                    lanes.update({f"{path}:{lane}": d for lane, d in figure["details"].get("lanes", {}).items()})
         handle = _tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump({"figures": [{"figure": FIGURE, "details": {"lanes": lanes}}]}, handle)
         handle.close()
