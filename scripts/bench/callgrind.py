@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -219,9 +220,10 @@ def run(smoke: bool, options: dict[str, Any]) -> common.Figure:
 
 
 def _counted(valgrind: str, folder: Path, worker: str, payload: dict[str, Any],
-             python: str | None) -> tuple[dict[str, Any], dict[str, int]]:
+             python: str | None, read: Callable[[Path], dict[str, Any]] | None = None
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run ``worker`` under callgrind (instrumentation off until a region starts); its result and
-    ``{region label: instructions}``."""
+    what ``read`` makes of the dumps (default :func:`read_dumps`: ``{region label: instructions}``)."""
     folder.mkdir(parents=True, exist_ok=True)
     command = [valgrind, "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={folder}/cg.%p",
                *common.worker_command(worker, payload, python=python)]
@@ -231,7 +233,7 @@ def _counted(valgrind: str, folder: Path, worker: str, payload: dict[str, Any],
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         raise common.WorkerError(f"{worker} worker exited {done.returncode}:\n{(done.stderr or done.stdout)[-3000:]}")
-    return json.loads(lines[-1]), read_dumps(folder)
+    return json.loads(lines[-1]), (read or read_dumps)(folder)
 
 
 def _per_call_cases(payload: dict[str, Any], details: dict[str, Any], counts: dict[str, int]) -> list[Case]:

@@ -104,14 +104,17 @@ def run(smoke: bool, options: dict[str, Any]) -> common.Figure:
         payload = {**payload, "marker": str(library)}
         for lane, python in lanes:
             try:
-                result, counts = _counted(valgrind, folder / lane, "whole", payload, python)
+                # One pass over the dumps: the split by object, whose sums are the totals (checked
+                # against each dump's own totals line).
+                result, by_object = _counted(valgrind, folder / lane, "whole", payload, python, read=read_object_costs)
             except common.WorkerError as exc:
                 figure.cases.append(Case(name=f"lane {lane}", unit="instructions", stats=None,
                                          status=common.ERROR, note=str(exc)[-500:]))
                 continue
             details = result["details"]
+            counts = {label: sum(costs.values()) for label, costs in by_object.items()}
             details["instructions"] = counts
-            details["by_object"] = read_object_costs(folder / lane)
+            details["by_object"] = by_object
             figure.details["lanes"][lane] = details
             figure.cases += cases(payload, details, counts)
     return figure
