@@ -6,7 +6,8 @@ kit users get; these are the suite's own).
 - :func:`assert_in_force_only_while_applied` and :func:`assert_set_on_its_class_only_while_applied`:
   the engine's status and what is on the class during and after ``PATCH.applied()``;
 - ``STATIC_*``, :func:`static_greedy`, :func:`static_cases`: the static cache patches' scenarios;
-- :func:`count_calls`: the Python calls made while something runs (what runs per decoding step).
+- :func:`count_calls`: the Python calls made while something runs (what runs per decoding step);
+- :func:`toy_generation_patch`: a patch of a ``GenerationMixin`` method, for the engine tests.
 
 Imported as ``from tests._kit import ...`` (pytest runs from the repository root). A test file that
 also runs as a worker script imports it inside the test that needs it.
@@ -224,3 +225,19 @@ def count_calls(key_of: Callable[[Any], Any], run: Callable[[], Any]) -> dict:
     finally:
         sys.setprofile(None)
     return counts
+
+
+def toy_generation_patch(patch_id: str, name: str, replace: Callable[..., Any], needed_by_call: Any = None) -> Any:
+    """A patch of ``GenerationMixin.<name>`` written for the code installed now (its fingerprint
+    below any overlay layer), replaced by ``replace``: what the engine tests apply and revert."""
+    import importlib
+
+    from overlay.patch import Patch, Target, fingerprint
+    from overlay.swapping import below_overlay
+
+    module = "transformers.generation.utils"
+    stock = below_overlay(vars(importlib.import_module(module).GenerationMixin)[name])
+    target = Target(module=module, qualname=f"GenerationMixin.{name}", replace=replace,
+                    originals={fingerprint(stock): "installed"}, needed_by_call=needed_by_call)
+    return Patch(id=patch_id, title="toy", errors=(), why="test", upstream="none", affected=">=0", fixed_in=None,
+                 targets=(target,))

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
 import threading
 
 import pytest
 
 from overlay import call_scope, engine
-from overlay.patch import Patch, Target, fingerprint, wraps
-from overlay.swapping import below_overlay
+from overlay.patch import Patch, wraps
 from overlay.testing.models import greedy_ids, left_padded_batch, tiny_model
-from tests._kit import count_calls
+from tests._kit import count_calls, toy_generation_patch
 
 pytestmark = pytest.mark.lane
 
@@ -83,8 +81,6 @@ def test_where_nothing_fires_no_gated_layer_runs_at_any_step(mixin, model, mode,
 
 
 def _toy_patch(calls: list, needed) -> Patch:
-    stock = below_overlay(vars(importlib.import_module("transformers.generation.utils").GenerationMixin)[NAME])
-
     def replace(original, variant):
         @wraps(original)
         def prepare_inputs_for_generation(self, *args, **kwargs):
@@ -93,10 +89,7 @@ def _toy_patch(calls: list, needed) -> Patch:
 
         return prepare_inputs_for_generation
 
-    target = Target(module="transformers.generation.utils", qualname=f"GenerationMixin.{NAME}", replace=replace,
-                    originals={fingerprint(stock): "installed"}, needed_by_call=needed)
-    return Patch(id=TOY, title="toy", errors=(), why="test", upstream="none", affected=">=0", fixed_in=None,
-                 targets=(target,))
+    return toy_generation_patch(TOY, NAME, replace, needed)
 
 
 def _run_with(needed, model, **kwargs):

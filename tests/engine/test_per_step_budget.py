@@ -18,10 +18,9 @@ import pytest
 
 import overlay
 from overlay import engine, report
-from overlay.patch import Patch, Target, fingerprint, wraps
-from overlay.swapping import below_overlay
+from overlay.patch import wraps
 from overlay.testing.models import greedy_ids, left_padded_batch, tiny_model
-from tests._kit import count_calls, lane_share
+from tests._kit import count_calls, lane_share, toy_generation_patch
 
 pytestmark = pytest.mark.lane
 
@@ -131,8 +130,6 @@ def test_an_undeclared_per_step_wrapper_is_named(model):
     """The check above can fail: a patch wrapping a method the loop calls at every step, without
     saying when a call needs it, is reported by file and function."""
     name = "prepare_inputs_for_generation"
-    mixin = importlib.import_module("transformers.generation.utils").GenerationMixin
-    stock = below_overlay(vars(mixin)[name])
 
     def replace(original, variant):
         @wraps(original)
@@ -141,9 +138,7 @@ def test_an_undeclared_per_step_wrapper_is_named(model):
 
         return prepare_inputs_for_generation
 
-    toy = Patch(id="test-per-step-toy", title="toy", errors=(), why="test", upstream="none", affected=">=0",
-                fixed_in=None, targets=(Target(module="transformers.generation.utils", qualname=f"GenerationMixin.{name}",
-                                               replace=replace, originals={fingerprint(stock): "installed"}),))
+    toy = toy_generation_patch("test-per-step-toy", name, replace)
     with engine.reverted(), engine.isolated([toy]):
         engine.apply(only=[toy.id])
         steps = per_step(model, left_padded_batch(), roots=(os.path.realpath(os.path.dirname(__file__)) + os.sep,))
