@@ -15,8 +15,9 @@ What the replacement does: it wraps ``get_candidates``. With an eos token it cal
 with the same arguments and does nothing else (one attribute read per decoding step). Without
 one, it lends the generator, for that call only, an empty tensor of token ids as its eos tokens:
 ``isin`` then finds no eos token and nothing is cut, which is exactly what the fixed release does;
-the attribute is ``None`` again when the call returns (or raises). Cost on that path: one empty tensor per call. It records
-in ``overlay.report`` only the calls that found candidates (the ones stock would have failed in).
+the attribute is ``None`` again when the call returns (or raises). Cost on that path: one empty
+tensor per call. It records in ``overlay.report`` only the calls that found candidates (the ones
+stock would have failed in).
 
 Not covered: other candidate generators (assisted decoding with an assistant model reads the
 assistant's own eos tokens; not part of this bug). Prompt lookup supports batch size 1 only, on
