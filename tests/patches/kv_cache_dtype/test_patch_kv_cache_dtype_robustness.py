@@ -510,6 +510,68 @@ def test_a_dynamic_layers_fast_path_reads_three_dtypes_when_values_are_cached_li
     assert reads == (3 if values_dtype is torch.bfloat16 else 4)
 
 
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_call_whose_dtypes_agree_takes_no_slow_path_at_prefill(cache_implementation, dtype):
+    # Issue 39: a fresh layer's first update (keys None, once per layer and call) went to the slow
+    # path, about 29,000 (dynamic) and 41,000 (static) instructions over stock per layer. It now
+    # calls the layer directly where the slow path would change nothing; what generate() returns
+    # is stock's, bit for bit.
+    from tests._kit import count_calls
+
+    model = tiny_lm("llama", "sdpa", dtype)
+    slow_path = PATCH.patch_module._slow_update.__code__
+
+    def run():
+        return generate(model, cache_implementation=cache_implementation)
+
+    with stock():
+        stock_tokens, stock_logits = run()
+    outputs = []
+    with patch_on():
+        run()  # builds what the first call builds (kernel wrappers)
+        calls = count_calls(lambda code: "slow" if code is slow_path else None, lambda: outputs.append(run()))
+    (tokens, logits), = outputs
+    assert torch.equal(tokens, stock_tokens) and torch.equal(logits, stock_logits)
+    fast_path = _VARIANT["fast_path"]
+    module = PATCH.patch_module
+    layers = model.config.num_hidden_layers
+    if fast_path is module._replace_any_cache_kwargs_update:  # 5.4.0 on: no slow path at all
+        expected = 0
+    elif fast_path is module._replace_processed_cache_update:
+        # 4.55.x, unchanged: a dynamic layer's first update (no lazy initialisation: it stores the
+        # first states as they come); a static layer's buffers are allocated by the constructor.
+        expected = layers if cache_implementation == "dynamic" else 0
+    else:  # 4.56.0 - 5.3.0: dynamic layers skip it; a refusing StaticLayer's first update records its check
+        expected = layers if cache_implementation == "static" else 0
+    assert calls.get("slow", 0) == expected, calls
+
+
+def test_a_fresh_layer_whose_states_differ_still_takes_the_slow_path():
+    # The shortcut compares after the layer's own initialisation: a static layer whose buffers do not
+    # come out in the states' dtypes (values in another dtype than the keys, up to 5.23.x) is the
+    # slow path's, which casts the write (stock refuses it); a dynamic layer of a cache holding a
+    # cross-attention cache to align keeps it too (covered by the encoder-decoder tests above).
+    from tests._kit import count_calls
+
+    if _VARIANT["fast_path"] is not PATCH.patch_module._replace_any_cache_kwargs_update:
+        pytest.skip("the shortcut for static layers exists from 5.4.0 (this release's variant has none)")
+    config = tiny_lm("llama", "sdpa", torch.bfloat16).config
+    keys = torch.randn(1, 2, 3, 8, dtype=torch.bfloat16)
+    values = torch.randn(1, 2, 3, 8, dtype=torch.float32)
+    slow_path = PATCH.patch_module._slow_update.__code__
+    with patch_on():
+        cache = models.user_static_cache(config, 1, 8, torch.bfloat16)
+        calls = count_calls(lambda code: "slow" if code is slow_path else None, lambda: cache.update(keys, values, 0))
+        stored = cache.layers[0].keys.dtype, cache.layers[0].values.dtype
+    # 5.24.0 on allocate each buffer in its states' dtype (nothing to change: the layer directly);
+    # before, both in the keys' dtype, so the float32 values are the slow path's.
+    if stored == (torch.bfloat16, torch.float32):
+        assert calls.get("slow", 0) == 0, calls
+    else:
+        assert stored == (torch.bfloat16, torch.bfloat16) and calls.get("slow", 0) == 1, (stored, calls)
+
+
 def test_an_error_in_the_layers_update_is_raised_once_as_on_stock():
     # The fast path's checks are guarded against odd objects; the layer's own update must not be:
     # an AttributeError/TypeError raised inside it reaches the caller, and the update ran once.
