@@ -96,12 +96,16 @@ def whole_generate_section(data: dict) -> str:
         "What runs per step where nothing fires is checked exactly, on every lane, by "
         "`tests/engine/test_per_step_budget.py` (the overlay's code per decoding step is the declared per-layer "
         "hot path and three per-step wrappers, nothing else) and `tests/engine/test_call_scope.py` (no gated "
-        "layer at any step). The native column's share per layer and step (the 8-layer cell minus the 2-layer "
-        "one, over 6: about +860 with a dynamic cache; with a static one none on 4.57.6 and 5.0.0, where the "
-        "layer's own write checks the dtype, and +980 - 1,190 on 4.55.4 and 5.13.0 - 5.25.0) is the KV-dtype "
-        "fix's dtype reads (torch's attribute getter); what the hot path adds in all, per layer, is the table above (figure 8, repeated calls, "
-        "resolved to a few hundred instructions). On 4.55 - 5.0 the decided per-layer hot path (about "
-        "+3,000 - 4,300 per layer and step) is part of every cell. "
+        "layer at any step). The native column's share per layer (the 8-layer cell minus the 2-layer one, "
+        "over 6: about +710 - 730 per token with a dynamic cache; with a static one none on 4.57.6 and 5.0.0, "
+        "where the layer's own write checks the dtype, and about +980 on 4.55.4 and 5.13.0 - 5.25.0) is the "
+        "KV-dtype fix's dtype reads at each step (torch's attribute getter) and, once per call, each layer's "
+        "first update at prefill (from a3ba5fb the slow path only where it could change something: 4.56.0 on "
+        "with a dynamic cache, 5.4.0 on with a static one); between runs of different processes the native "
+        "column of unchanged code differed by up to about 300 per token. What the hot path adds in all, per "
+        "layer, is the table above (figure 8, repeated calls, resolved to a few hundred instructions). On "
+        "4.55 - 5.0 the decided per-layer hot path (about +3,000 - 4,300 per layer and step) is part of every "
+        "cell. "
         f"Measured {data['measured']} on {data['machine']} ({data['overlay']}); command: `{data['command']}`.",
         "",
         "![whole generate() before and after](whole_generate.png)",
