@@ -74,6 +74,7 @@ def _replace_cache_update(original, variant):
 
 def _replace_any_cache_kwargs_update(original, static, dynamic_layer):
     """5.4.0 on: ``Cache.update(key_states, value_states, layer_idx, *args, **kwargs)``."""
+    dynamic_layers = _dynamic_layer_classes(original.__globals__)
 
     @wraps(original)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -99,7 +100,7 @@ def _replace_any_cache_kwargs_update(original, static, dynamic_layer):
             else:
                 fast = layer.keys.dtype is key_states.dtype and layer.values.dtype is value_states.dtype
         except AttributeError:  # once per layer and call: see _first_update_is_plain
-            fast = _first_update_is_plain(self, layer_idx, key_states, value_states, dynamic_layer, static)
+            fast = _first_update_is_plain(self, layer_idx, key_states, value_states, dynamic_layers, static)
         except (TypeError, IndexError):
             fast = False
         if fast:
@@ -132,6 +133,7 @@ def _replace_named_cache_kwargs_update(original, static, dynamic_layer):
     path has seen the layer's buffers in the states' dtypes (:data:`OWN_WRITE_CHECK`) the layer is
     called directly, and a refusal sends the update to the slow path, which casts.
     """
+    dynamic_layers = _dynamic_layer_classes(original.__globals__)
     refusing_layer = _layer_refusing_other_dtypes(original.__globals__)
     dynamo_compiling = getattr(getattr(sys.modules.get("torch"), "compiler", None), "is_dynamo_compiling", None)
     if dynamo_compiling is None:  # a torch without it: every layer takes the dtype reads
@@ -157,7 +159,7 @@ def _replace_named_cache_kwargs_update(original, static, dynamic_layer):
                 else:
                     fast = layer.keys.dtype is key_states.dtype and layer.values.dtype is value_states.dtype
         except AttributeError:  # once per layer and call: see _first_update_is_plain
-            fast = _first_update_is_plain(self, layer_idx, key_states, value_states, dynamic_layer)
+            fast = _first_update_is_plain(self, layer_idx, key_states, value_states, dynamic_layers)
         except (TypeError, IndexError):
             pass
         if own_check:
@@ -272,7 +274,15 @@ def _dynamic_layer(namespace):
     return layer_class if isinstance(layer_class, type) else None
 
 
-def _first_update_is_plain(cache, layer_idx, key_states, value_states, dynamic_layer, static=None):
+def _dynamic_layer_classes(namespace):
+    """The release's ``DynamicLayer`` and ``DynamicSlidingWindowLayer`` (those classes exactly, as
+    many as it ships): layers that initialise themselves from their first states and concatenate
+    (see :func:`_first_update_is_plain`)."""
+    found = (namespace.get("DynamicLayer"), namespace.get("DynamicSlidingWindowLayer"))
+    return tuple(layer_class for layer_class in found if isinstance(layer_class, type))
+
+
+def _first_update_is_plain(cache, layer_idx, key_states, value_states, dynamic_layers, static=None):
     """Whether the first update of a fresh layer may skip the slow path: it would call the original
     and change nothing. The fast path then calls the layer directly.
 
@@ -280,11 +290,13 @@ def _first_update_is_plain(cache, layer_idx, key_states, value_states, dynamic_l
     ``keys = None`` does: once per layer and generate() call, at prefill, where the slow path cost
     about 29,000 (dynamic) and 41,000 (static) instructions more than stock per layer (5.18.0).
 
-    - A ``DynamicLayer`` (exactly that class) initialises itself from the incoming states, so what
-      it hands back has the keys' dtype, and its values the values' dtype or the keys' (``torch.cat``
-      promotes): the slow path's read side, which acts only on keys not in the incoming keys' dtype
-      and on values when the incoming values share the keys' dtype, finds nothing; a dynamic layer
-      has no write side. Nothing is read for it here.
+    - A ``DynamicLayer`` or ``DynamicSlidingWindowLayer`` (``dynamic_layers``: exactly those
+      classes; the sliding one holds the sliding layers of Gemma 3's and other ``layer_types`` models' default cache)
+      initialises itself from the incoming states and concatenates, so what it hands back has the
+      keys' dtype, and its values the values' dtype or the keys' (``torch.cat`` promotes): the slow
+      path's read side, which acts only on keys not in the incoming keys' dtype and on values when
+      the incoming values share the keys' dtype, finds nothing; a dynamic layer has no write side.
+      Nothing is read for it here.
     - A static layer (``static``: 5.4.0 on only, whose ``StaticLayer`` does not check its own writes;
       4.56 - 5.3's does, and its first update goes to the slow path, which records that) is
       initialised here as the slow path initialises it (the layer's own lazy initialisation, the
@@ -293,7 +305,7 @@ def _first_update_is_plain(cache, layer_idx, key_states, value_states, dynamic_l
 
     Either way a cache with a cross-attention cache to align (:data:`CROSS_ATTR`) keeps the slow
     path, as does anything else: a missing ``layers`` or ``offloading``, an initialised layer, a
-    layer this very update appends (lazily replicated caches), a subclass of ``DynamicLayer``.
+    layer this very update appends (lazily replicated caches), a subclass of those classes.
     """
     try:
         layer = cache.layers[layer_idx]
@@ -301,7 +313,7 @@ def _first_update_is_plain(cache, layer_idx, key_states, value_states, dynamic_l
             return False
         if layer.keys is not None:
             return False
-        if type(layer) is dynamic_layer:
+        if type(layer) in dynamic_layers:
             return layer.is_initialized is False
         if static is None or static.layer_class is None or not isinstance(layer, static.layer_class):
             return False
