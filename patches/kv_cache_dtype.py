@@ -314,7 +314,9 @@ def _first_update_is_plain(cache, layer_idx, key_states, value_states, dynamic_l
         if layer.keys is not None:
             return False
         if type(layer) in dynamic_layers:
-            return layer.is_initialized is False
+            # 4.57.0 on set ``is_initialized`` with ``keys``; 4.56.x has no such flag, and its own
+            # update tests ``keys is None``, as done above.
+            return getattr(layer, "is_initialized", False) is False
         if static is None or static.layer_class is None or not isinstance(layer, static.layer_class):
             return False
         static.initialise(layer, key_states, value_states)
