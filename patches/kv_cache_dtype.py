@@ -278,8 +278,8 @@ def _dynamic_layer_classes(namespace):
     """The release's ``DynamicLayer`` and ``DynamicSlidingWindowLayer`` (those classes exactly, as
     many as it ships): layers that initialise themselves from their first states and concatenate
     (see :func:`_first_update_is_plain`)."""
-    found = (namespace.get("DynamicLayer"), namespace.get("DynamicSlidingWindowLayer"))
-    return tuple(layer_class for layer_class in found if isinstance(layer_class, type))
+    sliding = namespace.get("DynamicSlidingWindowLayer")
+    return tuple(layer_class for layer_class in (_dynamic_layer(namespace), sliding) if isinstance(layer_class, type))
 
 
 def _first_update_is_plain(cache, layer_idx, key_states, value_states, dynamic_layers, static=None):
@@ -291,12 +291,12 @@ def _first_update_is_plain(cache, layer_idx, key_states, value_states, dynamic_l
     about 29,000 (dynamic) and 41,000 (static) instructions more than stock per layer (5.18.0).
 
     - A ``DynamicLayer`` or ``DynamicSlidingWindowLayer`` (``dynamic_layers``: exactly those
-      classes; the sliding one holds the sliding layers of Gemma 3's and other ``layer_types`` models' default cache)
-      initialises itself from the incoming states and concatenates, so what it hands back has the
-      keys' dtype, and its values the values' dtype or the keys' (``torch.cat`` promotes): the slow
-      path's read side, which acts only on keys not in the incoming keys' dtype and on values when
-      the incoming values share the keys' dtype, finds nothing; a dynamic layer has no write side.
-      Nothing is read for it here.
+      classes; the sliding one holds the sliding layers of Gemma 3's and other ``layer_types``
+      models' default cache) initialises itself from the incoming states and concatenates, so what
+      it hands back has the keys' dtype, and its values the values' dtype or the keys'
+      (``torch.cat`` promotes): the slow path's read side, which acts only on keys not in the
+      incoming keys' dtype and on values when the incoming values share the keys' dtype, finds
+      nothing; a dynamic layer has no write side. Nothing is read for it here.
     - A static layer (``static``: 5.4.0 on only, whose ``StaticLayer`` does not check its own writes;
       4.56 - 5.3's does, and its first update goes to the slow path, which records that) is
       initialised here as the slow path initialises it (the layer's own lazy initialisation, the

@@ -33,6 +33,7 @@ import overlay
 from overlay import guard
 from overlay.testing import models
 from overlay.testing.harness import PatchUnderTest, counting_aten_ops
+from tests._kit import count_calls
 
 PATCH = PatchUnderTest("kv_cache_dtype")
 PATCH.skip_module_unless_covered()
@@ -510,6 +511,12 @@ def test_a_dynamic_layers_fast_path_reads_three_dtypes_when_values_are_cached_li
     assert reads == (3 if values_dtype is torch.bfloat16 else 4)
 
 
+def _slow_updates(run) -> int:
+    """How many updates went to the patch's slow path while ``run()`` ran."""
+    slow_path = PATCH.patch_module._slow_update.__code__
+    return count_calls(lambda code: "slow" if code is slow_path else None, run).get("slow", 0)
+
+
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
@@ -519,10 +526,7 @@ def test_a_call_whose_dtypes_agree_takes_no_slow_path_at_prefill(kind, cache_imp
     # calls the layer directly where the slow path would change nothing; what generate() returns
     # is stock's, bit for bit. Gemma 3 alternates sliding and full layers (the sliding layer
     # classes of both caches).
-    from tests._kit import count_calls
-
     model = tiny_lm(kind, "sdpa", dtype)
-    slow_path = PATCH.patch_module._slow_update.__code__
 
     def run():
         return generate(model, cache_implementation=cache_implementation)
@@ -532,7 +536,7 @@ def test_a_call_whose_dtypes_agree_takes_no_slow_path_at_prefill(kind, cache_imp
     outputs = []
     with patch_on():
         run()  # builds what the first call builds (kernel wrappers)
-        calls = count_calls(lambda code: "slow" if code is slow_path else None, lambda: outputs.append(run()))
+        slow_updates = _slow_updates(lambda: outputs.append(run()))
     (tokens, logits), = outputs
     assert torch.equal(tokens, stock_tokens) and torch.equal(logits, stock_logits)
     fast_path = _VARIANT["fast_path"]
@@ -546,7 +550,7 @@ def test_a_call_whose_dtypes_agree_takes_no_slow_path_at_prefill(kind, cache_imp
         expected = layers if cache_implementation == "dynamic" else 0
     else:  # 4.56.0 - 5.3.0: dynamic layers skip it; a refusing StaticLayer's first update records its check
         expected = layers if cache_implementation == "static" else 0
-    assert calls.get("slow", 0) == expected, calls
+    assert slow_updates == expected
 
 
 def test_a_fresh_layer_whose_states_differ_still_takes_the_slow_path():
@@ -554,24 +558,21 @@ def test_a_fresh_layer_whose_states_differ_still_takes_the_slow_path():
     # come out in the states' dtypes (values in another dtype than the keys, up to 5.23.x) is the
     # slow path's, which casts the write (stock refuses it); a dynamic layer of a cache holding a
     # cross-attention cache to align keeps it too (covered by the encoder-decoder tests above).
-    from tests._kit import count_calls
-
     if _VARIANT["fast_path"] is not PATCH.patch_module._replace_any_cache_kwargs_update:
         pytest.skip("the shortcut for static layers exists from 5.4.0 (this release's variant has none)")
     config = tiny_lm("llama", "sdpa", torch.bfloat16).config
     keys = torch.randn(1, 2, 3, 8, dtype=torch.bfloat16)
     values = torch.randn(1, 2, 3, 8, dtype=torch.float32)
-    slow_path = PATCH.patch_module._slow_update.__code__
     with patch_on():
         cache = models.user_static_cache(config, 1, 8, torch.bfloat16)
-        calls = count_calls(lambda code: "slow" if code is slow_path else None, lambda: cache.update(keys, values, 0))
+        slow_updates = _slow_updates(lambda: cache.update(keys, values, 0))
         stored = cache.layers[0].keys.dtype, cache.layers[0].values.dtype
     # 5.24.0 on allocate each buffer in its states' dtype (nothing to change: the layer directly);
     # before, both in the keys' dtype, so the float32 values are the slow path's.
     if stored == (torch.bfloat16, torch.float32):
-        assert calls.get("slow", 0) == 0, calls
+        assert slow_updates == 0
     else:
-        assert stored == (torch.bfloat16, torch.bfloat16) and calls.get("slow", 0) == 1, (stored, calls)
+        assert stored == (torch.bfloat16, torch.bfloat16) and slow_updates == 1, stored
 
 
 def test_an_error_in_the_layers_update_is_raised_once_as_on_stock():
